@@ -1,0 +1,39 @@
+# kvpath: `make run` brings up a local cluster, `make test` runs lint, types and the whole test suite.
+# Both create .venv when missing and (re)install only when pyproject.toml or the constraints change.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+CONSTRAINTS ?= constraints/cpu.txt
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(notdir $(CONSTRAINTS))
+LINT_PATHS := shared services gpu loadgen tests
+TYPED_PATHS := shared services loadgen
+
+.PHONY: venv run test lint typecheck unit clean
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test]'
+	@rm -f $(VENV)/.installed-*
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+run: venv
+	$(VENV)/bin/kvpath up $(ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+
+typecheck: venv
+	$(VENV)/bin/mypy $(TYPED_PATHS)
+
+test: venv lint typecheck
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+unit: venv
+	$(VENV)/bin/pytest -q tests/unit $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

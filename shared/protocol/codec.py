@@ -1,0 +1,234 @@
+"""Message base class and the JSON codec (orjson) with schema validation on receipt.
+
+Every message is a slotted dataclass with a `KIND` tag and a `VERSION`. On the wire it is one JSON object:
+`{"kind": ..., "v": ..., <fields>}`. `decode` checks the tag, the major version and every field's type
+against the dataclass annotations (nested messages and lists of them included) and raises `ProtocolError`
+with the offending field, so a handler never sees a half-valid record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
+
+import orjson
+
+from shared.errors import ProtocolError
+
+M = TypeVar("M", bound="Message")
+
+PROTOCOL_VERSION = 1
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Message:
+    """Base of every bus record. Subclasses set KIND (unique) and may bump VERSION on a breaking change."""
+
+    KIND: ClassVar[str] = ""
+    VERSION: ClassVar[int] = PROTOCOL_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.KIND, "v": self.VERSION}
+        for f in dataclasses.fields(self):
+            out[f.name] = _to_plain(getattr(self, f.name))
+        return out
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, Message):
+        return value.to_dict()
+    if isinstance(value, list):
+        return [_to_plain(v) for v in value] if value and isinstance(value[0], Message) else value
+    return value
+
+
+_KINDS: dict[str, type[Message]] = {}
+
+
+def register(cls: type[M]) -> type[M]:
+    """Class decorator: make a message kind decodable. Kinds are unique across the protocol."""
+    if not cls.KIND:
+        raise TypeError(f"{cls.__name__} has no KIND")
+    if cls.KIND in _KINDS and _KINDS[cls.KIND] is not cls:
+        raise TypeError(f"message kind {cls.KIND!r} registered twice")
+    _KINDS[cls.KIND] = cls
+    return cls
+
+
+@typing.dataclass_transform(kw_only_default=True, field_specifiers=(dataclasses.field,))
+def message(cls: type[M]) -> type[M]:
+    """Class decorator for a message schema: a slotted keyword-only dataclass, registered by KIND."""
+    return register(dataclasses.dataclass(slots=True, kw_only=True)(cls))
+
+
+def encode(msg: Message) -> bytes:
+    return orjson.dumps(msg.to_dict())
+
+
+def decode(data: bytes | str, expected: type[M] | tuple[type[M], ...]) -> M:
+    """Parse and validate one message; raise ProtocolError naming what is wrong."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"malformed message: not JSON ({exc})") from None
+    return from_dict(obj, expected)
+
+
+def from_dict(obj: Any, expected: type[M] | tuple[type[M], ...]) -> M:
+    if not isinstance(obj, dict):
+        raise ProtocolError("malformed message: not a JSON object")
+    kinds = expected if isinstance(expected, tuple) else (expected,)
+    kind = obj.get("kind")
+    cls = _KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None or not any(issubclass(cls, k) for k in kinds):
+        names = ", ".join(k.KIND or k.__name__ for k in kinds)
+        raise ProtocolError(f"unexpected message kind {kind!r}, expected {names}", param="kind")
+    version = obj.get("v")
+    if not isinstance(version, int) or version != cls.VERSION:
+        raise ProtocolError(
+            f"{cls.KIND}: unsupported version {version!r} (this build speaks {cls.VERSION})", param="v"
+        )
+    return typing.cast(M, _build(cls, obj, cls.KIND))
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+_Checker = Callable[[Any, str], Any]
+_BUILDERS: dict[type, list[tuple[str, _Checker, bool]]] = {}
+
+
+def _build(cls: type[Message], obj: dict[str, Any], where: str) -> Message:
+    spec = _BUILDERS.get(cls)
+    if spec is None:
+        spec = _BUILDERS[cls] = _compile(cls)
+    kwargs: dict[str, Any] = {}
+    for name, checker, required in spec:
+        if name in obj:
+            kwargs[name] = checker(obj[name], f"{where}.{name}")
+        elif required:
+            raise ProtocolError(f"{where}: missing field {name!r}", param=name)
+    return cls(**kwargs)
+
+
+def _compile(cls: type[Message]) -> list[tuple[str, _Checker, bool]]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        out.append((f.name, _checker_for(hints[f.name]), required))
+    return out
+
+
+def _fail(path: str, want: str, value: Any) -> typing.NoReturn:
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    raise ProtocolError(f"{path}: expected {want}, got {shown}", param=path.rsplit(".", 1)[-1])
+
+
+def _checker_for(typ: Any) -> _Checker:
+    origin = typing.get_origin(typ)
+    args = typing.get_args(typ)
+    if typ is Any:
+        return lambda v, p: v
+    if origin in (typing.Union, types.UnionType):
+        inner = [_checker_for(a) for a in args if a is not type(None)]
+        nullable = type(None) in args
+
+        def check_union(v: Any, p: str) -> Any:
+            if v is None and nullable:
+                return None
+            for c in inner:
+                try:
+                    return c(v, p)
+                except ProtocolError:
+                    continue
+            _fail(p, " or ".join(str(a) for a in args), v)
+
+        return check_union
+    if origin is typing.Literal:
+        allowed = set(args)
+
+        def check_literal(v: Any, p: str) -> Any:
+            if v not in allowed:
+                _fail(p, f"one of {sorted(map(str, allowed))}", v)
+            return v
+
+        return check_literal
+    if origin is list:
+        item = _checker_for(args[0]) if args else (lambda v, p: v)
+        if args and args[0] in (int, float, str):
+            scalar = args[0]
+            return lambda v, p: _check_scalar_list(v, p, scalar)
+
+        def check_list(v: Any, p: str) -> Any:
+            if not isinstance(v, list):
+                _fail(p, "a list", v)
+            return [item(x, f"{p}[{i}]") for i, x in enumerate(v)]
+
+        return check_list
+    if origin is dict:
+        val = _checker_for(args[1]) if args else (lambda v, p: v)
+
+        def check_dict(v: Any, p: str) -> Any:
+            if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+                _fail(p, "an object with string keys", v)
+            return {k: val(x, f"{p}.{k}") for k, x in v.items()}
+
+        return check_dict
+    if isinstance(typ, type) and issubclass(typ, Message):
+
+        def check_msg(v: Any, p: str) -> Any:
+            if not isinstance(v, dict):
+                _fail(p, f"a {typ.KIND or typ.__name__} object", v)
+            return _build(typ, v, p)
+
+        return check_msg
+    if typ is bool:
+
+        def check_bool(v: Any, p: str) -> Any:
+            if not isinstance(v, bool):
+                _fail(p, "a boolean", v)
+            return v
+
+        return check_bool
+    if typ is int:
+
+        def check_int(v: Any, p: str) -> Any:
+            if not isinstance(v, int) or isinstance(v, bool):
+                _fail(p, "an integer", v)
+            return v
+
+        return check_int
+    if typ is float:
+
+        def check_float(v: Any, p: str) -> Any:
+            if not isinstance(v, int | float) or isinstance(v, bool):
+                _fail(p, "a number", v)
+            return float(v)
+
+        return check_float
+    if typ is str:
+
+        def check_str(v: Any, p: str) -> Any:
+            if not isinstance(v, str):
+                _fail(p, "a string", v)
+            return v
+
+        return check_str
+    raise TypeError(f"unsupported message field type {typ!r}")
+
+
+def _check_scalar_list(v: Any, p: str, scalar: type) -> Any:
+    if not isinstance(v, list):
+        _fail(p, "a list", v)
+    if scalar is float:
+        if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in v):
+            _fail(p, "a list of numbers", v)
+        return [float(x) for x in v]
+    if not all(type(x) is scalar for x in v):
+        _fail(p, f"a list of {scalar.__name__}", v)
+    return v

@@ -1,0 +1,148 @@
+"""Core message schemas: errors, registry entries, load reports, generation tasks, token streams, aborts.
+
+KV-specific records (events, index, storage) live in `shared.protocol.kv`; data-plane notices in
+`shared.protocol.transfer`. Adding a field with a default is compatible; removing or retyping one bumps
+the kind's VERSION.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+from shared.errors import KvpathError
+from shared.protocol.codec import Message, message
+
+
+@message
+class ErrorReply(Message):
+    """Reply of a request handler that failed; `code` is a stable `shared.errors` code."""
+
+    KIND = "error"
+    code: str
+    message: str
+    param: str | None = None
+
+    @classmethod
+    def from_error(cls, exc: KvpathError) -> ErrorReply:
+        return cls(code=exc.code, message=exc.message, param=exc.param)
+
+
+@message
+class Ack(Message):
+    KIND = "ack"
+    ok: bool = True
+    detail: str = ""
+
+
+@message
+class ServiceInfo(Message):
+    """Registry value of one live service, refreshed by its heartbeat."""
+
+    KIND = "service_info"
+    service_id: str
+    service_kind: str  # router | engine | storage | index | cxlpool
+    role: str = ""  # engines: colocated | prefill | decode
+    node: int = 0
+    status: str = "starting"  # starting | ready | draining
+    http_url: str = ""
+    host: str = ""
+    pid: int = 0
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+    model: str = ""
+    endpoints: dict[str, str] = field(default_factory=dict)  # data-plane endpoints by backend
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@message
+class LoadReport(Message):
+    """Periodic load of a service. Engines fill the scheduling fields, storage the read-queue ones."""
+
+    KIND = "load_report"
+    service_id: str
+    role: str
+    node: int
+    seq: int
+    sent_at: float
+    num_running: int = 0
+    num_waiting: int = 0
+    unfinished_tokens: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    read_queue_tokens: int = 0
+    read_queue_bytes: int = 0
+    is_draining: bool = False
+    rates: dict[str, float] = field(default_factory=dict)  # measured rates, e.g. prefill_tokens_per_s
+
+
+@message
+class SamplingParams(Message):
+    KIND = "sampling_params"
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@message
+class GenerateTask(Message):
+    """Router -> engine (`task.<engine>`, request/ack): generate for one prompt, stream to `router_id`."""
+
+    KIND = "generate_task"
+    request_id: str
+    router_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    deadline_unix_s: float
+    session_id: str = ""
+    kv: dict[str, Any] = field(
+        default_factory=dict
+    )  # KV plan (hits, read side, peers); see shared.protocol.kv
+
+
+@message
+class TaskAck(Message):
+    KIND = "task_ack"
+    request_id: str
+    accepted: bool
+    code: str = ""
+    message: str = ""
+
+
+@message
+class TokenDelta(Message):
+    """New tokens of one request in one engine step. `seq` counts deltas of the request from 0."""
+
+    KIND = "token_delta"
+    request_id: str
+    seq: int
+    token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort | error
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error_code: str = ""
+    error_message: str = ""
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage, sent with the first delta
+
+
+@message
+class TokenBatch(Message):
+    """Engine -> router (`tokens.<router>`): every delta for that router from one engine step."""
+
+    KIND = "token_batch"
+    engine_id: str
+    step: int
+    deltas: list[TokenDelta]
+
+
+@message
+class Abort(Message):
+    """Cancel a request everywhere (client gone, deadline passed, stop string seen)."""
+
+    KIND = "abort"
+    request_id: str
+    reason: str = ""

@@ -1,0 +1,92 @@
+"""Every NATS subject, stream and bucket name kvpath uses, built in one place.
+
+All subjects live under `kvpath.<namespace>.`; ids that become subject tokens are checked so a stray '.',
+'*' or '>' can never widen a subscription.
+"""
+
+from __future__ import annotations
+
+import re
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+def check_token(value: str | int, what: str = "id") -> str:
+    text = str(value)
+    if not _TOKEN.match(text):
+        raise ValueError(f"{what} {text!r} cannot be a subject token (letters, digits, '_' and '-' only)")
+    return text
+
+
+class Subjects:
+    """Subject names of one namespace."""
+
+    __slots__ = ("namespace", "prefix")
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = check_token(namespace, "namespace")
+        self.prefix = f"kvpath.{namespace}"
+
+    # -- load reports: publish, ~10 Hz and on change
+    def load(self, role: str, service_id: str) -> str:
+        return f"{self.prefix}.load.{check_token(role, 'role')}.{check_token(service_id)}"
+
+    @property
+    def load_all(self) -> str:
+        return f"{self.prefix}.load.>"
+
+    def load_storage(self, node: int) -> str:
+        return f"{self.prefix}.load.storage.{check_token(node, 'node')}"
+
+    # -- tasks: request/ack, scheduler -> engine
+    def task(self, engine_id: str) -> str:
+        return f"{self.prefix}.task.{check_token(engine_id)}"
+
+    # -- token streams: publish, engine -> router, one message per engine step per router
+    def tokens(self, router_id: str) -> str:
+        return f"{self.prefix}.tokens.{check_token(router_id)}"
+
+    # -- aborts: publish, anyone -> every engine
+    @property
+    def abort(self) -> str:
+        return f"{self.prefix}.abort"
+
+    # -- KV events: JetStream stream, one subject per source
+    def kv_events(self, source: str) -> str:
+        return f"{self.prefix}.kv.events.{check_token(source)}"
+
+    @property
+    def kv_events_all(self) -> str:
+        return f"{self.prefix}.kv.events.>"
+
+    @property
+    def kv_events_stream(self) -> str:
+        return f"KVPATH_{self.namespace.replace('-', '_')}_KV_EVENTS"
+
+    # -- metadata index
+    @property
+    def index_match(self) -> str:
+        return f"{self.prefix}.index.match"
+
+    @property
+    def index_stats(self) -> str:
+        return f"{self.prefix}.index.stats"
+
+    # -- storage service of a node
+    def storage_read(self, node: int) -> str:
+        return f"{self.prefix}.storage.{check_token(node, 'node')}.read"
+
+    def storage_write(self, node: int) -> str:
+        return f"{self.prefix}.storage.{check_token(node, 'node')}.write"
+
+    def storage_control(self, node: int) -> str:
+        return f"{self.prefix}.storage.{check_token(node, 'node')}.control"
+
+    # -- KV data plane (transfer notices between engines)
+    def transfer(self, engine_id: str) -> str:
+        return f"{self.prefix}.transfer.{check_token(engine_id)}"
+
+    # -- registry of live services (JetStream KV bucket)
+    @property
+    def registry_bucket(self) -> str:
+        return f"kvpath_{self.namespace.replace('-', '_')}_services"

@@ -1,0 +1,240 @@
+"""Service base: lifecycle, HTTP health/metrics, registry heartbeat, periodic load report, graceful drain.
+
+Every kvpath service is a `Service` subclass that fills in a few hooks:
+  `on_start()`  subscribe to its subjects (the base flushes, then announces the service as ready);
+  `on_drain(deadline)`  finish in-flight work before `deadline` (monotonic seconds) on SIGTERM;
+  `on_stop()`  release what it owns (shared memory, files, threads);
+  `load_report(seq)`  the load report to publish (None: the service publishes none);
+  `add_routes(app)`  extra HTTP routes (the router's API).
+`start()` and `stop()` are idempotent; signal handlers only set an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Coroutine
+from typing import Any, ClassVar
+
+from aiohttp import web
+
+from shared import telemetry
+from shared.bus import Bus, Registry
+from shared.config import BaseConfig
+from shared.protocol import LoadReport, ServiceInfo
+
+log = logging.getLogger(__name__)
+
+
+def install_uvloop() -> bool:
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+class Service:
+    service_kind: ClassVar[str] = "service"
+
+    def __init__(self, config: BaseConfig) -> None:
+        self.config = config
+        self.service_id = config.service_id or f"{self.service_kind}-{config.node}-{uuid.uuid4().hex[:8]}"
+        self.bus = Bus(
+            config.nats_url,
+            config.namespace,
+            name=self.service_id,
+            request_timeout_s=config.request_timeout_s,
+        )
+        self.registry: Registry[ServiceInfo] = Registry(self.bus, config.registry_ttl_s)
+        self.status = "starting"
+        self.started_at = time.time()
+        self.http_url = ""
+        self._stop_requested = asyncio.Event()
+        self._report_now = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._runner: web.AppRunner | None = None
+        self._started = False
+        self._stopped = False
+        self._load_seq = 0
+
+    # ------------------------------------------------------------------------------------------ hooks
+
+    async def on_start(self) -> None:
+        """Subscribe to subjects and build state. Called once, after the bus connects."""
+
+    async def on_drain(self, deadline: float) -> None:
+        """Finish in-flight work before `deadline` (time.monotonic()). Called once on stop."""
+
+    async def on_stop(self) -> None:
+        """Release resources. Called once, after draining, before the bus closes."""
+
+    def load_report(self, seq: int) -> LoadReport | None:
+        """The load report to publish now, or None for services that publish none."""
+        return None
+
+    def role(self) -> str:
+        return ""
+
+    def service_info(self) -> ServiceInfo:
+        return ServiceInfo(
+            service_id=self.service_id,
+            service_kind=self.service_kind,
+            role=self.role(),
+            node=self.config.node,
+            status=self.status,
+            http_url=self.http_url,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=self.started_at,
+        )
+
+    def health(self) -> dict[str, Any]:
+        """Health details; `ok` false makes /health answer 503."""
+        return {"ok": self.status == "ready" and self.bus.is_connected.is_set(), "status": self.status}
+
+    def add_routes(self, app: web.Application) -> None:
+        """Add service-specific HTTP routes next to /health and /metrics."""
+
+    # -------------------------------------------------------------------------------------- lifecycle
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Start a task the service owns: it is cancelled and awaited on stop."""
+        task = asyncio.create_task(coro, name=f"{self.service_id}:{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error(
+                "task failed service=%s task=%s", self.service_id, task.get_name(), exc_info=task.exception()
+            )
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    def report_load_now(self) -> None:
+        """Publish a load report at the next opportunity (on change)."""
+        self._report_now.set()
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        telemetry.setup_tracing(f"kvpath-{self.service_kind}")
+        await self.bus.connect(timeout_s=max(5.0, self.config.request_timeout_s))
+        await self.registry.open()
+        await self._start_http()
+        await self.on_start()
+        await self.bus.flush()
+        self.status = "ready"
+        await self.registry.put(self.service_info())
+        self.spawn(self._heartbeat_loop(), "heartbeat")
+        self.spawn(self._load_loop(), "load-report")
+        log.info("service ready id=%s kind=%s http=%s", self.service_id, self.service_kind, self.http_url)
+
+    async def stop(self) -> None:
+        if self._stopped or not self._started:
+            self._stopped = True
+            return
+        self._stopped = True
+        self.status = "draining"
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.registry.put(self.service_info()), 1.0)
+        self.report_load_now()
+        try:
+            await asyncio.wait_for(self.on_drain(deadline), max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            log.warning("drain deadline passed service=%s", self.service_id)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.registry.remove(self.service_id), 1.0)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await self.on_stop()
+        finally:
+            await self.bus.close(timeout_s=max(0.5, deadline - time.monotonic()))
+            if self._runner is not None:
+                await self._runner.cleanup()
+        log.info("service stopped id=%s", self.service_id)
+
+    async def run(self) -> None:
+        """Start, serve until SIGTERM/SIGINT, then drain and stop."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, self.request_stop)
+        try:
+            await self.start()
+            await self._stop_requested.wait()
+        finally:
+            await self.stop()
+
+    # ----------------------------------------------------------------------------------------- loops
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            try:
+                await asyncio.wait_for(self.registry.put(self.service_info()), self.config.request_timeout_s)
+            except Exception as exc:  # keep beating through NATS outages
+                log.warning("heartbeat failed service=%s: %r", self.service_id, exc)
+
+    async def _load_loop(self) -> None:
+        subject = self.bus.subjects.load(self.role() or self.service_kind, self.service_id)
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._report_now.wait(), self.config.load_report_interval_s)
+            self._report_now.clear()
+            self._load_seq += 1
+            report = self.load_report(self._load_seq)
+            if report is None:
+                continue
+            try:
+                await self.bus.publish(subject, report)
+            except Exception as exc:
+                log.warning("load report failed service=%s: %r", self.service_id, exc)
+
+    # ------------------------------------------------------------------------------------------ http
+
+    def build_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._handle_health)
+        app.router.add_get("/metrics", self._handle_metrics)
+        self.add_routes(app)
+        return app
+
+    async def _start_http(self) -> None:
+        app = self.build_app()
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.http_host, self.config.http_port, reuse_address=True)
+        await site.start()
+        port = self.config.http_port
+        server = getattr(site, "_server", None)
+        if server is not None and server.sockets:
+            port = server.sockets[0].getsockname()[1]
+        self.http_url = f"http://{self.config.http_host}:{port}"
+
+    async def _handle_health(self, request: web.Request) -> web.Response:
+        details = self.health()
+        details["service_id"] = self.service_id
+        return web.json_response(details, status=200 if details.get("ok") else 503)
+
+    async def _handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=telemetry.metrics_text(),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )

@@ -1,0 +1,33 @@
+"""Shared fixtures: a real nats-server on a free port, a unique namespace per test."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from shared.natsserver import NatsServer
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """One nats-server (JetStream on) for the whole session; tests isolate themselves by namespace."""
+    server = NatsServer(log_path=str(tmp_path_factory.mktemp("nats") / "nats.log"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def private_nats(tmp_path) -> Iterator[NatsServer]:
+    """A nats-server of this test's own, for tests that kill or restart it."""
+    server = NatsServer(log_path=str(tmp_path / "nats.log"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def namespace() -> str:
+    return "t" + uuid.uuid4().hex[:10]
