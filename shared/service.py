@@ -11,25 +11,31 @@ Every kvpath service is a `Service` subclass that fills in a few hooks:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
 import os
 import signal
 import socket
+import sys
 import time
 import uuid
-from collections.abc import Coroutine
-from typing import Any, ClassVar
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, ClassVar, TypeVar
 
 from aiohttp import web
 
 from shared import telemetry
 from shared.bus import Bus, Registry
-from shared.config import BaseConfig
+from shared.config import BaseConfig, add_config_args, config_from_args
+from shared.errors import KvpathError
+from shared.logs import setup_logging
 from shared.protocol import LoadReport, ServiceInfo
 
 log = logging.getLogger(__name__)
+
+C = TypeVar("C", bound=BaseConfig)
 
 
 def install_uvloop() -> bool:
@@ -43,6 +49,7 @@ def install_uvloop() -> bool:
 
 class Service:
     service_kind: ClassVar[str] = "service"
+    http_handler_cancellation: ClassVar[bool] = False
 
     def __init__(self, config: BaseConfig) -> None:
         self.config = config
@@ -218,7 +225,9 @@ class Service:
 
     async def _start_http(self) -> None:
         app = self.build_app()
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, handler_cancellation=self.http_handler_cancellation
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.http_host, self.config.http_port, reuse_address=True)
         await site.start()
@@ -238,3 +247,31 @@ class Service:
             body=telemetry.metrics_text(),
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
+
+
+def serve_main(
+    argv: Sequence[str] | None,
+    *,
+    name: str,
+    config_cls: type[C],
+    build: Callable[[C], Service],
+    description: str | None = None,
+) -> int:
+    """The body of every `services/<name>/__main__.py`: flags + YAML + env -> config, logging, run."""
+    parser = argparse.ArgumentParser(prog=f"kvpath serve {name}", description=description)
+    parser.add_argument("--config", help=f"YAML config file (sections: common, {name})")
+    add_config_args(parser, config_cls)
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(config_cls, args, section=name)
+    except KvpathError as exc:
+        print(f"kvpath serve {name}: {exc.message}", file=sys.stderr)
+        return 2
+    setup_logging(name, level=config.log_level, as_json=config.log_json)
+    install_uvloop()
+    try:
+        asyncio.run(build(config).run())
+    except KvpathError as exc:
+        log.error("%s failed to start: %s", name, exc.message)
+        return 1
+    return 0

@@ -1,0 +1,1 @@
+"""Engine service: one model replica (colocated, prefill or decode role) on one device."""

@@ -1,0 +1,64 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import DEFAULT_BLOCK_SIZE, BaseConfig, check, doc
+
+ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclass(slots=True)
+class EngineConfig(BaseConfig):
+    role: str = doc("colocated", "colocated (prefill + decode) | prefill | decode")
+    model: str = doc("tiny", "model name (tiny, tiny-mla) or HF checkpoint directory")
+    model_cache_dir: str = doc("", "where embedded models are materialized (default ~/.cache/kvpath/models)")
+    device: str = doc("auto", "auto | cpu | cuda | cuda:N")
+    dtype: str = doc("", "model and KV dtype; default float32 on CPU, bfloat16 on CUDA")
+    block_size: int = doc(DEFAULT_BLOCK_SIZE, "KV block size in tokens (same as the block store's)")
+    kv_cache_bytes: int = doc(256 * 1024 * 1024, "bytes of paged KV cache (ignored when num_kv_blocks > 0)")
+    num_kv_blocks: int = doc(0, "paged KV cache size in blocks; 0 derives it from kv_cache_bytes")
+    max_num_seqs: int = doc(64, "most sequences in one decode batch")
+    max_num_batched_tokens: int = doc(2048, "prefill token budget per step (chunked prefill beyond it)")
+    max_waiting: int = doc(1024, "tasks queued beyond this are refused (the router tries elsewhere or 429)")
+    num_threads: int = doc(0, "torch CPU threads; 0 keeps torch's default")
+    persist_kv: bool = doc(True, "persist every full block through the node's storage service")
+    load_kv: bool = doc(True, "load stored prefix blocks instead of recomputing them")
+
+    def validate(self) -> None:
+        BaseConfig.validate(self)
+        check(self.role in ROLES, "role", self.role, f"one of {', '.join(ROLES)}")
+        check(
+            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+            "block_size",
+            self.block_size,
+            "must be a power of two",
+        )
+        check(self.num_kv_blocks >= 0, "num_kv_blocks", self.num_kv_blocks, "must be >= 0")
+        check(
+            self.num_kv_blocks > 0 or self.kv_cache_bytes > 0,
+            "kv_cache_bytes",
+            self.kv_cache_bytes,
+            "must be > 0 when num_kv_blocks is 0",
+        )
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        check(
+            self.max_num_batched_tokens >= self.block_size,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            f"must be >= block_size={self.block_size}",
+        )
+        check(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "device",
+            self.device,
+            "auto, cpu, cuda or cuda:N",
+        )
+        check(
+            self.dtype in ("", "float32", "bfloat16", "float16"),
+            "dtype",
+            self.dtype,
+            "float32, bfloat16 or float16",
+        )

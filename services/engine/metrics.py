@@ -1,0 +1,23 @@
+"""Engine metrics (Prometheus names and base units; documented in docs/metrics.md)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+PREFILL_STEP = Histogram(
+    "kvpath_engine_prefill_step_seconds", "Wall time of one prefill forward", buckets=_STEP_BUCKETS
+)
+DECODE_STEP = Histogram(
+    "kvpath_engine_decode_step_seconds", "Wall time of one decode step", buckets=_STEP_BUCKETS
+)
+BATCH_SIZE = Histogram(
+    "kvpath_engine_decode_batch_size", "Sequences per decode step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)
+)
+PREFILL_TOKENS = Counter("kvpath_engine_prefill_tokens_total", "Prompt tokens computed (not loaded)")
+REQUESTS = Counter("kvpath_engine_requests_finished_total", "Finished requests by finish reason", ["reason"])
+KV_BLOCKS_USED = Gauge("kvpath_engine_kv_blocks_used", "Paged KV cache blocks in use")
+KV_BLOCKS_TOTAL = Gauge("kvpath_engine_kv_blocks_total", "Paged KV cache blocks in all")
+RUNNING = Gauge("kvpath_engine_requests_running", "Sequences holding KV blocks")
+WAITING = Gauge("kvpath_engine_requests_waiting", "Sequences queued or fetching their stored prefix")

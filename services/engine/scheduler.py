@@ -1,0 +1,168 @@
+"""Continuous-batching scheduler of one engine (pure: sequences and a block allocator in, a plan out).
+
+Each step: every running sequence past its prefill decodes one token; prefill chunks of partially
+prefilled and then waiting sequences fill a token budget (chunked prefill). When the cache runs out of
+blocks, the newest running sequence is preempted (its blocks freed; it is recomputed later from prompt +
+output so far).
+Stored prefix KV (hits) is loaded during a sequence's first chunk: those tokens cost blocks, not budget.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.engine.sequence import SeqStatus, Sequence
+
+
+class BlockAllocator(Protocol):
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def allocate(self, n: int) -> list[int]: ...
+
+    def free(self, block_ids: Seq[int]) -> None: ...
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    seq: Sequence
+    start: int  # first token computed in this chunk (= tokens already in cache or loaded now)
+    num_tokens: int
+    load_tokens: int = 0  # stored-prefix tokens [0, load_tokens) loaded layer by layer during this chunk
+    sample: bool = True  # the chunk completes the prefill and a new token is sampled
+
+
+@dataclass(slots=True)
+class StepPlan:
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class EngineScheduler:
+    def __init__(
+        self, allocator: BlockAllocator, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # ---------------------------------------------------------------------------------------- queries
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def unfinished_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.waiting) + sum(s.num_tokens for s in self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------------------------------- updates
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove `seq` wherever it is and free its blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        # PREPARING: not queued here yet
+        self._free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or reason
+
+    def _free(self, seq: Sequence) -> None:
+        if seq.block_ids:
+            self.allocator.free(seq.block_ids)
+            seq.block_ids = []
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make `seq`'s block table cover `num_tokens`; False (nothing allocated) if the cache is short."""
+        need = blocks_for(num_tokens, self.block_size) - len(seq.block_ids)
+        if need <= 0:
+            return True
+        if need > self.allocator.num_free_blocks:
+            return False
+        seq.block_ids.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_hit_tokens = 0  # the loaded prefix is gone with the blocks: recompute it
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    # --------------------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._schedule_decodes(plan)
+        budget = self.max_num_batched_tokens
+        for seq in [s for s in self.running if s.is_prefilling]:
+            budget -= self._add_chunk(plan, seq, budget)
+            if budget <= 0:
+                return plan
+        if plan.preempted:
+            return plan  # the cache is short: admitting now would only thrash
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            used = self._add_chunk(plan, seq, budget)
+            if used == 0:
+                break  # head of line does not fit: keep FIFO order
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            budget -= used
+        return plan
+
+    def _schedule_decodes(self, plan: StepPlan) -> None:
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or seq.is_prefilling:
+                continue
+            while not self._grow(seq, seq.num_computed_tokens + 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                plan.decode.append(seq)
+
+    def _add_chunk(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
+        load = seq.num_hit_tokens if seq.num_computed_tokens == 0 else 0
+        start = max(seq.num_computed_tokens, load)
+        num = min(budget, seq.prefill_target - start)
+        if num <= 0:
+            return 0
+        if not self._grow(seq, start + num):
+            free_tokens = (len(seq.block_ids) + self.allocator.num_free_blocks) * self.block_size - start
+            num = min(num, free_tokens)
+            if num <= 0 or not self._grow(seq, start + num):
+                return 0
+        sample = start + num == seq.prefill_target and not seq.output_token_ids
+        plan.prefill.append(
+            PrefillChunk(seq=seq, start=start, num_tokens=num, load_tokens=load, sample=sample)
+        )
+        return num

@@ -1,0 +1,123 @@
+"""Engine service: wraps the model runtime; takes tasks, streams tokens, reports load."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from services.engine import metrics
+from services.engine.config import EngineConfig
+from services.engine.connector import KvConnector
+from services.engine.core import EngineCore
+from shared.bus import MsgContext
+from shared.protocol import Abort, GenerateTask, LoadReport, ServiceInfo, TaskAck, TokenBatch
+from shared.service import Service
+
+log = logging.getLogger(__name__)
+
+
+class EngineService(Service):
+    service_kind = "engine"
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.config: EngineConfig = config
+        self.runner: Any = None
+        self.core: EngineCore | None = None
+        self._connector: KvConnector | None = None
+
+    def role(self) -> str:
+        return self.config.role
+
+    def build_connector(self) -> KvConnector | None:
+        """The KV connector for this engine's role and config (None: recompute everything)."""
+        return None
+
+    async def on_start(self) -> None:
+        from gpu.runner import ModelRunner
+
+        cfg = self.config
+        device = cfg.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.runner = await asyncio.to_thread(
+            ModelRunner.load,
+            cfg.model,
+            device=device,
+            dtype=cfg.dtype or None,
+            block_size=cfg.block_size,
+            num_kv_blocks=cfg.num_kv_blocks or None,
+            kv_cache_bytes=None if cfg.num_kv_blocks else cfg.kv_cache_bytes,
+            cache_dir=cfg.model_cache_dir or None,
+            num_threads=cfg.num_threads or None,
+        )
+        self._connector = self.build_connector()
+        if self._connector is not None:
+            await self._connector.start()
+        self.core = EngineCore(cfg, self.runner, self.service_id, self._publish_tokens, self._connector)
+        metrics.KV_BLOCKS_TOTAL.set(self.runner.kv.num_blocks)
+        subjects = self.bus.subjects
+        await self.bus.subscribe(subjects.task(self.service_id), GenerateTask, self._on_task)
+        await self.bus.subscribe(subjects.abort, Abort, self._on_abort)
+        self.spawn(self.core.run(), "step-loop")
+
+    async def _publish_tokens(self, router_id: str, batch: TokenBatch) -> None:
+        await self.bus.publish(self.bus.subjects.tokens(router_id), batch)
+
+    async def _on_task(self, task: GenerateTask, ctx: MsgContext) -> TaskAck:
+        assert self.core is not None
+        ack = self.core.submit(task)
+        if ack.accepted:
+            self.report_load_now()
+        return ack
+
+    async def _on_abort(self, msg: Abort, ctx: MsgContext) -> None:
+        if self.core is not None:
+            self.core.abort(msg.request_id, msg.reason or "abort")
+
+    async def on_drain(self, deadline: float) -> None:
+        if self.core is None:
+            return
+        self.core.is_draining = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.core.is_idle.wait(), max(0.0, deadline - time.monotonic()))
+
+    async def on_stop(self) -> None:
+        if self._connector is not None:
+            with contextlib.suppress(Exception):
+                await self._connector.close()
+        if self.runner is not None:
+            self.runner.close()
+
+    def load_report(self, seq: int) -> LoadReport | None:
+        if self.core is None:
+            return None
+        load = self.core.load()
+        metrics.KV_BLOCKS_USED.set(load["total_kv_blocks"] - load["free_kv_blocks"])
+        metrics.RUNNING.set(load["num_running"])
+        metrics.WAITING.set(load["num_waiting"])
+        return LoadReport(
+            service_id=self.service_id,
+            role=self.config.role,
+            node=self.config.node,
+            seq=seq,
+            sent_at=time.time(),
+            is_draining=self.core.is_draining or self.status != "ready",
+            **load,
+        )
+
+    def service_info(self) -> ServiceInfo:
+        info = super().service_info()
+        info.model = self.config.model
+        return info
+
+    def health(self) -> dict[str, Any]:
+        details = super().health()
+        if self.core is not None:
+            details.update(self.core.load())
+        return details

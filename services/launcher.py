@@ -1,0 +1,285 @@
+"""`kvpath up`: a whole local cluster from one command.
+
+Starts nats-server (JetStream on, free port) unless `--nats-url` is given, then every service as its own
+process (`kvpath serve ...`), waits until each is registered and healthy, prints the URL, and on Ctrl-C or
+SIGTERM stops everything it started: children first (SIGTERM, then SIGKILL after a deadline), then NATS,
+then its temporary directory. Children also die with it if it is killed (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from services.topology import ClusterSpec, ProcessSpec, cluster_processes
+from shared.bus import Bus, Registry
+from shared.errors import KvpathError, ServiceUnavailableError
+from shared.logs import setup_logging
+from shared.natsserver import NatsServer
+from shared.protocol import ServiceInfo
+
+log = logging.getLogger("kvpath.up")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("up", help="start a local cluster (NATS + every service) in the foreground")
+    p.add_argument("--nats-url", default="", help="use this NATS server instead of starting one")
+    p.add_argument("--namespace", default="", help="bus namespace (default: a fresh one per run)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address of the API")
+    p.add_argument("--http-port", type=int, default=8000, help="API port (0 picks a free one)")
+    p.add_argument("--model", default="tiny", help="model name (tiny, tiny-mla) or HF checkpoint directory")
+    p.add_argument("--engines", type=int, default=1, help="colocated engines (when no P/D nodes are given)")
+    p.add_argument("--prefill-nodes", type=int, default=0, help="prefill nodes (disaggregated mode)")
+    p.add_argument("--decode-nodes", type=int, default=0, help="decode nodes (disaggregated mode)")
+    p.add_argument("--engines-per-node", type=int, default=1, help="engines per prefill/decode node")
+    p.add_argument("--policy", default="", help="colocated | dualpath | basic | dualpath-rr")
+    p.add_argument(
+        "--storage-bandwidth", type=float, default=0, help="bytes/s per node storage NIC (0: unlimited)"
+    )
+    p.add_argument("--kv-root", default="", help="block store directory (default: a temporary one)")
+    p.add_argument("--no-kv-store", action="store_true", help="no storage/index: every turn recomputes")
+    p.add_argument("--block-size", type=int, default=64, help="KV block size in tokens")
+    p.add_argument("--log-dir", default="", help="service logs (default: inside the temporary directory)")
+    p.add_argument("--ready-file", default="", help="write {url, nats_url, ...} as JSON here once healthy")
+    p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds to wait for readiness")
+    p.add_argument("--engine-arg", action="append", default=[], help="extra flag for every engine (repeat)")
+    p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeat)")
+    p.set_defaults(func=_run)
+
+
+def spec_from_args(args: argparse.Namespace, kv_root: str) -> ClusterSpec:
+    disaggregated = args.prefill_nodes > 0 or args.decode_nodes > 0
+    if disaggregated and (args.prefill_nodes < 1 or args.decode_nodes < 1):
+        raise SystemExit("kvpath up: disaggregated mode needs --prefill-nodes >= 1 and --decode-nodes >= 1")
+    policy = args.policy or ("dualpath" if disaggregated else "colocated")
+    if disaggregated == (policy == "colocated"):
+        raise SystemExit(f"kvpath up: policy {policy!r} does not fit the topology")
+    return ClusterSpec(
+        model=args.model,
+        policy=policy,
+        colocated_engines=args.engines,
+        prefill_nodes=args.prefill_nodes,
+        decode_nodes=args.decode_nodes,
+        engines_per_node=args.engines_per_node,
+        host=args.host,
+        http_port=args.http_port,
+        kv_root=kv_root,
+        storage_bandwidth_bytes_per_s=int(args.storage_bandwidth),
+        with_kv_store=not args.no_kv_store,
+        block_size=args.block_size,
+        extra_engine_args=_split(args.engine_arg),
+        extra_router_args=_split(args.router_arg),
+    )
+
+
+def _split(flags: list[str]) -> list[str]:
+    return [part for flag in flags for part in flag.split()]
+
+
+def _run(args: argparse.Namespace) -> int:
+    setup_logging("up", level="INFO")
+    tmp = tempfile.mkdtemp(prefix="kvpath-up-")
+    try:
+        spec = spec_from_args(args, args.kv_root or str(Path(tmp) / "kv"))
+        cluster = LocalCluster(
+            spec,
+            tmp_dir=tmp,
+            nats_url=args.nats_url,
+            namespace=args.namespace or f"up{uuid.uuid4().hex[:8]}",
+            log_dir=args.log_dir or str(Path(tmp) / "logs"),
+        )
+        return asyncio.run(cluster.serve(ready_file=args.ready_file, startup_timeout_s=args.startup_timeout))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM if `kvpath up` dies, so nothing is orphaned."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass(slots=True)
+class Child:
+    spec: ProcessSpec
+    proc: subprocess.Popen[bytes]
+    log_path: str
+
+
+class LocalCluster:
+    def __init__(
+        self, spec: ClusterSpec, *, tmp_dir: str, nats_url: str, namespace: str, log_dir: str
+    ) -> None:
+        self.spec = spec
+        self.tmp_dir = tmp_dir
+        self.nats_url = nats_url
+        self.namespace = namespace
+        self.log_dir = log_dir
+        self.nats: NatsServer | None = None
+        self.children: list[Child] = []
+        self.service_urls: dict[str, str] = {}
+        self._stop = asyncio.Event()
+
+    async def serve(self, *, ready_file: str, startup_timeout_s: float) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop.set)
+        try:
+            url = await self._start(startup_timeout_s)
+        except (KvpathError, OSError, TimeoutError) as exc:
+            msg = exc.message if isinstance(exc, KvpathError) else repr(exc)
+            log.error("cluster failed to start: %s", msg)
+            self._shutdown()
+            return 1
+        print(f"kvpath ready: {url}", flush=True)
+        if ready_file:
+            info = {
+                "url": url,
+                "nats_url": self.nats_url,
+                "namespace": self.namespace,
+                "log_dir": self.log_dir,
+                "services": self.service_urls,
+                "tmp_dir": self.tmp_dir,
+            }
+            await asyncio.to_thread(Path(ready_file).write_text, json.dumps(info))
+        code = await self._watch()
+        self._shutdown()
+        return code
+
+    async def _start(self, timeout_s: float) -> str:
+        os.makedirs(self.log_dir, exist_ok=True)
+        if not self.nats_url:
+            self.nats = NatsServer(
+                store_dir=str(Path(self.tmp_dir) / "nats"), log_path=str(Path(self.log_dir) / "nats.log")
+            )
+            os.makedirs(self.nats.store_dir, exist_ok=True)
+            await asyncio.to_thread(self.nats.start)
+            self.nats_url = self.nats.url
+        if self.spec.kv_root:
+            os.makedirs(self.spec.kv_root, exist_ok=True)
+        await asyncio.to_thread(_materialize_model, self.spec.model)
+        for pspec in cluster_processes(self.spec):
+            self.children.append(self._spawn(pspec))
+        return await self._wait_ready(time.monotonic() + timeout_s)
+
+    def _spawn(self, pspec: ProcessSpec) -> Child:
+        log_path = str(Path(self.log_dir) / f"{pspec.name}.log")
+        env = dict(
+            os.environ,
+            KVPATH_NATS_URL=self.nats_url,
+            KVPATH_NAMESPACE=self.namespace,
+            KVPATH_SERVICE_ID=pspec.name,
+            PYTHONUNBUFFERED="1",
+        )
+        cmd = [sys.executable, "-m", "services.cli", "serve", pspec.service, *pspec.args]
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+            )
+        log.info("started %s pid=%d log=%s", pspec.name, proc.pid, log_path)
+        return Child(pspec, proc, log_path)
+
+    async def _wait_ready(self, deadline: float) -> str:
+        bus = Bus(self.nats_url, self.namespace, name="kvpath-up")
+        await bus.connect()
+        registry: Registry[ServiceInfo] = Registry(bus, ttl_s=5.0)
+        try:
+            await registry.open()
+            want = {c.spec.name for c in self.children}
+            async with aiohttp.ClientSession() as http:
+                while True:
+                    self._check_children()
+                    ready = {s.service_id: s for s in await registry.list() if s.status == "ready"}
+                    if want <= ready.keys() and await _all_healthy(http, [ready[n] for n in want]):
+                        self.service_urls = {n: ready[n].http_url for n in sorted(want)}
+                        return ready["router-0"].http_url
+                    if time.monotonic() > deadline:
+                        missing = sorted(want - ready.keys())
+                        raise ServiceUnavailableError(f"services not ready in time: {', '.join(missing)}")
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stop.wait(), 0.2)
+                    if self._stop.is_set():
+                        raise ServiceUnavailableError("interrupted during startup")
+        finally:
+            await bus.close()
+
+    def _check_children(self) -> None:
+        for child in self.children:
+            code = child.proc.poll()
+            if code is not None:
+                raise ServiceUnavailableError(
+                    f"{child.spec.name} exited with code {code}:\n{_tail(child.log_path)}"
+                )
+
+    async def _watch(self) -> int:
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 0.5)
+            for child in self.children:
+                code = child.proc.poll()
+                if code is not None and not self._stop.is_set():
+                    log.error(
+                        "%s exited with code %s; stopping the cluster\n%s",
+                        child.spec.name,
+                        code,
+                        _tail(child.log_path),
+                    )
+                    return 1
+        log.info("stopping")
+        return 0
+
+    def _shutdown(self, timeout_s: float = 15.0) -> None:
+        # router first (stops taking requests), then engines, then storage and index
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", child.spec.name)
+                child.proc.kill()
+                child.proc.wait(5)
+        if self.nats is not None:
+            self.nats.stop()
+
+
+async def _all_healthy(http: aiohttp.ClientSession, services: list[ServiceInfo]) -> bool:
+    for info in services:
+        try:
+            async with http.get(f"{info.http_url}/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                if resp.status != 200:
+                    return False
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+    return True
+
+
+def _materialize_model(model: str) -> None:
+    from gpu.model_spec import resolve_model
+
+    resolve_model(model)
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

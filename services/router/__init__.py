@@ -1,0 +1,1 @@
+"""Router: OpenAI-compatible HTTP API and the global scheduler."""

@@ -1,0 +1,240 @@
+"""OpenAI-compatible HTTP API on aiohttp: completions and chat (JSON or SSE), models.
+
+SSE framing is OpenAI's: `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` at the end; with
+`stream_options.include_usage` a last chunk with empty `choices` carries `usage` (with
+`prompt_tokens_details.cached_tokens`). Errors before the first byte are plain HTTP errors in OpenAI's body
+format; errors after it are an `error` event followed by `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from services.router import metrics
+from services.router.core import Piece, RouterCore, Usage
+from services.router.prompts import PreparedPrompt, prepare_prompt
+from services.router.requests import GenerationRequest, parse_chat, parse_completion, session_header
+from shared.errors import InvalidRequestError, KvpathError, ModelNotFoundError
+
+log = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(slots=True)
+class ApiContext:
+    core: RouterCore
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_tokens_limit: int
+    retry_after_s: int
+    created: int
+
+
+API_CONTEXT = web.AppKey("api_context", ApiContext)
+
+
+def error_response(exc: KvpathError, retry_after_s: int = 1) -> web.Response:
+    headers = {"Retry-After": str(retry_after_s)} if exc.http_status in (429, 503) else None
+    return web.json_response(
+        exc.to_openai_body(),
+        status=exc.http_status,
+        headers=headers,
+        dumps=lambda o: orjson.dumps(o).decode(),
+    )
+
+
+def add_api_routes(app: web.Application, ctx: ApiContext) -> None:
+    app[API_CONTEXT] = ctx
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_get("/v1/models", _models)
+
+
+async def _models(request: web.Request) -> web.Response:
+    ctx = request.app[API_CONTEXT]
+    body = {
+        "object": "list",
+        "data": [
+            {
+                "id": ctx.model_name,
+                "object": "model",
+                "created": ctx.created,
+                "owned_by": "kvpath",
+                "max_model_len": ctx.max_model_len,
+            }
+        ],
+    }
+    return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, parse_completion)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, parse_chat)
+
+
+async def _serve(request: web.Request, parse: Callable[[Any, str], GenerationRequest]) -> web.StreamResponse:
+    ctx = request.app[API_CONTEXT]
+    try:
+        prompt = _prepare(ctx, parse(await _json_body(request), session_header(request.headers)))
+    except KvpathError as exc:
+        metrics.REQUESTS.labels("?", exc.code).inc()
+        return error_response(exc, ctx.retry_after_s)
+    endpoint = prompt.request.endpoint
+    request_id = ctx.core.new_request_id(endpoint)
+    usage = Usage()
+    pieces = ctx.core.generate(prompt, request_id, usage)
+    renderer = _Renderer(endpoint, request_id, ctx.model_name, prompt.request.include_usage)
+    outcome = "ok"
+    try:
+        async with contextlib.aclosing(pieces):
+            if prompt.request.stream:
+                return await _stream(request, pieces, renderer, usage, ctx)
+            return await _collect(pieces, renderer, usage)
+    except KvpathError as exc:
+        outcome = exc.code
+        return error_response(exc, ctx.retry_after_s)
+    except BaseException:
+        outcome = "cancelled"
+        raise
+    finally:
+        metrics.REQUESTS.labels(endpoint, outcome).inc()
+        metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
+        metrics.CACHED_TOKENS.inc(usage.cached_tokens)
+
+
+async def _json_body(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}", param="body") from None
+
+
+def _prepare(ctx: ApiContext, req: GenerationRequest) -> PreparedPrompt:
+    if req.model != ctx.model_name:
+        raise ModelNotFoundError(
+            f"The model '{req.model}' does not exist; this server serves '{ctx.model_name}'", param="model"
+        )
+    return prepare_prompt(
+        req,
+        ctx.tokenizer,
+        max_model_len=ctx.max_model_len,
+        vocab_size=ctx.vocab_size,
+        max_tokens_limit=ctx.max_tokens_limit,
+    )
+
+
+async def _collect(pieces: AsyncIterator[Piece], renderer: _Renderer, usage: Usage) -> web.Response:
+    parts: list[str] = []
+    finish: str | None = None
+    async for piece in pieces:
+        parts.append(piece.text)
+        finish = piece.finish_reason or finish
+    body = renderer.final("".join(parts), finish or "stop", usage)
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def _stream(
+    request: web.Request, pieces: AsyncIterator[Piece], renderer: _Renderer, usage: Usage, ctx: ApiContext
+) -> web.StreamResponse:
+    # the first piece comes before the headers, so dispatch errors are still plain HTTP errors
+    first = await anext(pieces, None)
+    response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+    await response.prepare(request)
+    write: Callable[[bytes], Awaitable[None]] = response.write
+    try:
+        if renderer.endpoint == "chat":
+            await write(renderer.sse(renderer.chunk("", None, role=True)))
+        piece = first
+        while piece is not None:
+            if piece.text or piece.finish_reason is not None:
+                await write(renderer.sse(renderer.chunk(piece.text, piece.finish_reason)))
+            piece = await anext(pieces, None)
+        if renderer.include_usage:
+            await write(renderer.sse(renderer.usage_chunk(usage)))
+    except KvpathError as exc:
+        log.warning("stream failed request_id=%s code=%s: %s", renderer.request_id, exc.code, exc.message)
+        await write(renderer.sse(exc.to_openai_body()))
+    await write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+class _Renderer:
+    """Builds OpenAI response objects for one request."""
+
+    __slots__ = ("created", "endpoint", "include_usage", "model", "request_id")
+
+    def __init__(self, endpoint: str, request_id: str, model: str, include_usage: bool) -> None:
+        self.endpoint = endpoint
+        self.request_id = request_id
+        self.model = model
+        self.include_usage = include_usage
+        self.created = int(time.time())
+
+    @staticmethod
+    def sse(obj: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    def _envelope(self, obj_type: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj_type, "created": self.created, "model": self.model}
+
+    def chunk(self, text: str, finish_reason: str | None, *, role: bool = False) -> dict[str, Any]:
+        if self.endpoint == "chat":
+            out = self._envelope("chat.completion.chunk")
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            )
+            out["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        else:
+            out = self._envelope("text_completion")
+            out["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        out = self._envelope("chat.completion.chunk" if self.endpoint == "chat" else "text_completion")
+        out["choices"] = []
+        out["usage"] = usage_body(usage)
+        return out
+
+    def final(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        if self.endpoint == "chat":
+            out = self._envelope("chat.completion")
+            out["choices"] = [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                }
+            ]
+        else:
+            out = self._envelope("text_completion")
+            out["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        out["usage"] = usage_body(usage)
+        return out
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }

@@ -1,0 +1,50 @@
+"""Router configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import BaseConfig, check, doc
+
+
+@dataclass(slots=True)
+class RouterConfig(BaseConfig):
+    http_port: int = doc(8000, "port of the OpenAI-compatible HTTP API (0 picks a free one)")
+    model: str = doc("tiny", "model name or HF checkpoint directory (tokenizer, chat template, context)")
+    served_model_name: str = doc("", "model name clients send; defaults to the model's name")
+    model_cache_dir: str = doc("", "where embedded models are materialized (default ~/.cache/kvpath/models)")
+    policy: str = doc("colocated", "scheduling policy: colocated | dualpath | basic | dualpath-rr")
+    max_tokens_limit: int = doc(8192, "largest max_tokens a request may ask for")
+    request_deadline_s: float = doc(600.0, "every request fails with 504 after this long")
+    task_ack_timeout_s: float = doc(5.0, "how long an engine may take to accept a task")
+    engine_silence_timeout_s: float = doc(3.0, "an engine silent this long is dead: its streams fail")
+    max_inflight_requests: int = doc(4096, "requests beyond this are refused with 429")
+    retry_after_s: int = doc(1, "Retry-After seconds on 503 when no engine is available")
+    use_kv_cache: bool = doc(True, "ask the metadata index for stored prefixes (KV reuse across turns)")
+    index_timeout_s: float = doc(0.5, "deadline of an index lookup; on expiry the request recomputes")
+    block_size: int = doc(64, "KV block size in tokens (must match the engines and the block store)")
+    kv_dtype: str = doc("", "KV dtype used in the model fingerprint; default: the engines' (float32 on CPU)")
+
+    def validate(self) -> None:
+        BaseConfig.validate(self)
+        check(
+            self.policy in ("colocated", "dualpath", "basic", "dualpath-rr"),
+            "policy",
+            self.policy,
+            "one of colocated, dualpath, basic, dualpath-rr",
+        )
+        check(self.max_tokens_limit >= 1, "max_tokens_limit", self.max_tokens_limit, "must be >= 1")
+        check(self.request_deadline_s > 0, "request_deadline_s", self.request_deadline_s, "must be > 0")
+        check(
+            self.engine_silence_timeout_s > self.load_report_interval_s,
+            "engine_silence_timeout_s",
+            self.engine_silence_timeout_s,
+            "must exceed load_report_interval_s",
+        )
+        check(self.max_inflight_requests >= 1, "max_inflight_requests", self.max_inflight_requests, ">= 1")
+        check(
+            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+            "block_size",
+            self.block_size,
+            "must be a power of two",
+        )

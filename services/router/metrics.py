@@ -1,0 +1,39 @@
+"""Router metrics (Prometheus names and base units; documented in docs/metrics.md)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+TTFT = Histogram(
+    "kvpath_router_time_to_first_token_seconds",
+    "Time from request arrival to first token",
+    buckets=_LATENCY_BUCKETS,
+)
+ITL = Histogram(
+    "kvpath_router_inter_token_latency_seconds",
+    "Time between streamed tokens of a request",
+    buckets=_LATENCY_BUCKETS,
+)
+E2E = Histogram(
+    "kvpath_router_e2e_request_latency_seconds",
+    "Time from request arrival to its last token",
+    buckets=_LATENCY_BUCKETS,
+)
+REQUESTS = Counter(
+    "kvpath_router_requests_total", "Finished requests by endpoint and outcome", ["endpoint", "outcome"]
+)
+RUNNING = Gauge("kvpath_router_requests_running", "Requests dispatched to an engine and not finished")
+QUEUED = Gauge("kvpath_router_requests_queued", "Requests accepted and waiting for an engine")
+PROMPT_TOKENS = Counter("kvpath_router_prompt_tokens_total", "Prompt tokens of finished requests")
+CACHED_TOKENS = Counter("kvpath_router_cached_tokens_total", "Prompt tokens served from stored KV")
+GENERATION_TOKENS = Counter("kvpath_router_generation_tokens_total", "Generated tokens streamed to clients")
+INDEX_LOOKUPS = Counter(
+    "kvpath_router_index_lookups_total", "Index lookups by outcome (hit, miss, error)", ["outcome"]
+)
+ENGINE_FAILURES = Counter(
+    "kvpath_router_engine_failures_total",
+    "Requests failed because their engine died, went silent or lost tokens",
+    ["reason"],
+)

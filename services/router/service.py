@@ -1,0 +1,83 @@
+"""Router service: the OpenAI HTTP API, the engine view fed by load reports, token streams from engines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from services.router import handlers
+from services.router.api import ApiContext, add_api_routes
+from services.router.config import RouterConfig
+from services.router.core import RouterCore
+from shared.protocol import ServiceInfo
+from shared.service import Service
+
+log = logging.getLogger(__name__)
+
+
+class RouterService(Service):
+    service_kind = "router"
+    http_handler_cancellation = True  # a client that disconnects cancels its handler: the request aborts
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        self.config: RouterConfig = config
+        from gpu.model_spec import load_model_spec
+        from gpu.tokenizer import load_tokenizer
+
+        cache_dir = config.model_cache_dir or None
+        self.spec = load_model_spec(config.model, cache_dir)
+        self.tokenizer = load_tokenizer(self.spec.model_dir)
+        self.model_name = config.served_model_name or self.spec.name
+        self.core = RouterCore(config, self.bus, self.service_id)
+
+    def add_routes(self, app: web.Application) -> None:
+        add_api_routes(
+            app,
+            ApiContext(
+                core=self.core,
+                tokenizer=self.tokenizer,
+                model_name=self.model_name,
+                max_model_len=self.spec.max_model_len,
+                vocab_size=self.spec.vocab_size,
+                max_tokens_limit=self.config.max_tokens_limit,
+                retry_after_s=self.config.retry_after_s,
+                created=int(self.started_at),
+            ),
+        )
+
+    async def on_start(self) -> None:
+        subjects = self.bus.subjects
+        await self.bus.subscribe_raw(
+            subjects.tokens(self.service_id), handlers.token_batch_handler(self.core)
+        )
+        await self.bus.subscribe_raw(subjects.load_all, handlers.load_report_handler(self.core))
+        self.spawn(self._watch_engines(), "watch-engines")
+
+    async def _watch_engines(self) -> None:
+        period = min(0.5, self.config.engine_silence_timeout_s / 3)
+        while True:
+            await asyncio.sleep(period)
+            self.core.fail_silent_engines()
+
+    async def on_drain(self, deadline: float) -> None:
+        # stop taking requests (health turns 503), let open streams finish
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.core.is_idle.wait(), max(0.0, deadline - time.monotonic()))
+
+    def health(self) -> dict[str, Any]:
+        details = super().health()
+        engines = self.core.snapshot(("colocated", "prefill", "decode"))
+        details["engines"] = len(engines)
+        details["inflight"] = self.core.inflight
+        return details
+
+    def service_info(self) -> ServiceInfo:
+        info = super().service_info()
+        info.model = self.model_name
+        return info

@@ -1,0 +1,104 @@
+"""What `kvpath up` starts: a pure description of the local cluster's processes.
+
+Nodes are emulated on one host: each has its own storage service (own DRAM buffer and bandwidth budget)
+and its engines; all nodes share one store root, as nodes share a distributed file system.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ClusterSpec:
+    model: str = "tiny"
+    policy: str = "colocated"
+    colocated_engines: int = 1
+    prefill_nodes: int = 0
+    decode_nodes: int = 0
+    engines_per_node: int = 1
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    kv_root: str = ""
+    storage_bandwidth_bytes_per_s: int = 0
+    with_kv_store: bool = True
+    block_size: int = 64
+    extra_engine_args: list[str] = field(default_factory=list)
+    extra_router_args: list[str] = field(default_factory=list)
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.prefill_nodes > 0 or self.decode_nodes > 0
+
+
+@dataclass(slots=True)
+class ProcessSpec:
+    name: str  # unique, also the service id
+    service: str  # router | engine | storage | index
+    args: list[str]
+    kind: str  # service kind in the registry
+    role: str = ""
+
+
+def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
+    """Every process of the cluster, in start order (index and storage before engines, router last)."""
+    procs: list[ProcessSpec] = []
+    common = ["--block-size", str(spec.block_size)]
+    if spec.with_kv_store:
+        procs.append(ProcessSpec("index-0", "index", [], kind="index"))
+    nodes = _nodes(spec)
+    if spec.with_kv_store:
+        for node in sorted({n for n, _ in nodes}):
+            args = [
+                "--node",
+                str(node),
+                "--root",
+                spec.kv_root,
+                "--bandwidth-bytes-per-s",
+                str(spec.storage_bandwidth_bytes_per_s),
+            ]
+            procs.append(ProcessSpec(f"storage-{node}", "storage", args, kind="storage"))
+    for i, (node, role) in enumerate(nodes):
+        args = ["--role", role, "--node", str(node), "--model", spec.model, *common]
+        if not spec.with_kv_store:
+            args += ["--no-persist-kv", "--no-load-kv"]
+        procs.append(
+            ProcessSpec(
+                f"{_short(role)}{i}-n{node}",
+                "engine",
+                args + spec.extra_engine_args,
+                kind="engine",
+                role=role,
+            )
+        )
+    router_args = [
+        "--model",
+        spec.model,
+        "--policy",
+        spec.policy,
+        "--http-host",
+        spec.host,
+        "--http-port",
+        str(spec.http_port),
+        *common,
+    ]
+    if not spec.with_kv_store:
+        router_args.append("--no-use-kv-cache")
+    procs.append(ProcessSpec("router-0", "router", router_args + spec.extra_router_args, kind="router"))
+    return procs
+
+
+def _nodes(spec: ClusterSpec) -> list[tuple[int, str]]:
+    """(node, role) per engine: colocated engines on node 0, else prefill nodes first, then decode nodes."""
+    if not spec.is_disaggregated:
+        return [(0, "colocated")] * spec.colocated_engines
+    out = []
+    for p in range(spec.prefill_nodes):
+        out += [(p, "prefill")] * spec.engines_per_node
+    for d in range(spec.decode_nodes):
+        out += [(spec.prefill_nodes + d, "decode")] * spec.engines_per_node
+    return out
+
+
+def _short(role: str) -> str:
+    return {"colocated": "engine", "prefill": "pe", "decode": "de"}[role]

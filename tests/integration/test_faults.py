@@ -1,0 +1,147 @@
+"""Faults through separately started service processes: no engine, a dying engine, junk on the bus,
+deadlines, and token coalescing on the bus."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from shared.bus import Bus, Registry
+from shared.natsserver import NatsServer
+from shared.protocol import ErrorReply, ServiceInfo, TokenBatch, decode
+from tests.cluster import ServiceProcess
+
+pytestmark = pytest.mark.slow
+
+
+async def wait_ready(bus: Bus, ids: set[str], procs: list[ServiceProcess], timeout_s: float = 60) -> dict:
+    registry: Registry[ServiceInfo] = Registry(bus, ttl_s=5.0)
+    await registry.open()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        ready = {s.service_id: s for s in await registry.list() if s.status == "ready"}
+        if ids <= ready.keys():
+            return ready
+        for p in procs:
+            assert p.proc.poll() is None, p.log()
+        assert loop.time() < deadline, f"not ready: {ids - ready.keys()}"
+        await asyncio.sleep(0.1)
+
+
+class Stack:
+    def __init__(self, tmp: Path, nats: NatsServer, namespace: str) -> None:
+        self.tmp, self.nats, self.namespace = tmp, nats, namespace
+        self.procs: list[ServiceProcess] = []
+
+    def start(self, service: str, service_id: str, *args: str) -> ServiceProcess:
+        proc = ServiceProcess(self.tmp, service, *args, nats_url=self.nats.url, namespace=self.namespace,
+                              service_id=service_id)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+@pytest.fixture
+async def stack(tmp_path: Path, nats_server: NatsServer, namespace: str) -> AsyncIterator[tuple[Stack, Bus]]:
+    s = Stack(tmp_path, nats_server, namespace)
+    bus = Bus(nats_server.url, namespace, name="test")
+    await bus.connect()
+    yield s, bus
+    await bus.close()
+    s.stop()
+
+
+ROUTER_ARGS = ("--http-port", "0", "--engine-silence-timeout-s", "1.0")
+
+
+async def test_no_engine_is_503_with_retry_after(stack: tuple[Stack, Bus]) -> None:
+    s, bus = stack
+    s.start("router", "router-0", *ROUTER_ARGS, "--no-use-kv-cache")
+    ready = await wait_ready(bus, {"router-0"}, s.procs)
+    url = ready["router-0"].http_url
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
+            assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+            err = (await resp.json())["error"]
+    assert err["code"] == "no_engine_available" and err["type"] == "service_unavailable"
+
+
+async def test_engine_death_mid_stream_ends_with_error_event(stack: tuple[Stack, Bus]) -> None:
+    s, bus = stack
+    s.start("router", "router-0", *ROUTER_ARGS, "--no-use-kv-cache")
+    engine = s.start("engine", "engine-0", "--no-persist-kv", "--no-load-kv")
+    ready = await wait_ready(bus, {"router-0", "engine-0"}, s.procs)
+    url = ready["router-0"].http_url
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        async with http.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            await resp.content.readuntil(b"\n\n")
+            engine.kill()
+            rest = (await resp.read()).decode()
+    assert rest.endswith("data: [DONE]\n\n")
+    assert '"error"' in rest and "engine-0 stopped responding" in rest
+
+
+async def test_malformed_task_is_answered_and_engine_survives(stack: tuple[Stack, Bus]) -> None:
+    s, bus = stack
+    s.start("router", "router-0", *ROUTER_ARGS, "--no-use-kv-cache")
+    s.start("engine", "engine-0", "--no-persist-kv", "--no-load-kv")
+    ready = await wait_ready(bus, {"router-0", "engine-0"}, s.procs)
+    for junk in (b"\x00garbage", b'{"kind": "generate_task", "v": 1, "request_id": 5}', b"[]"):
+        reply = await bus.nc.request(bus.subjects.task("engine-0"), junk, timeout=5)
+        err = decode(reply.data, ErrorReply)
+        assert err.code == "bad_message" and err.message
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "tiny", "prompt": "ok", "max_tokens": 3, "ignore_eos": True}
+        async with http.post(f"{ready['router-0'].http_url}/v1/completions", json=body) as resp:
+            assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 3
+
+
+async def test_request_deadline_is_504(stack: tuple[Stack, Bus]) -> None:
+    s, bus = stack
+    s.start("router", "router-0", *ROUTER_ARGS, "--no-use-kv-cache", "--request-deadline-s", "0.5")
+    s.start("engine", "engine-0", "--no-persist-kv", "--no-load-kv")
+    ready = await wait_ready(bus, {"router-0", "engine-0"}, s.procs)
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 4000, "ignore_eos": True}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{ready['router-0'].http_url}/v1/completions", json=body) as resp:
+            assert resp.status == 504
+            assert (await resp.json())["error"]["code"] == "deadline_exceeded"
+
+
+async def test_tokens_are_coalesced_per_engine_step(stack: tuple[Stack, Bus]) -> None:
+    s, bus = stack
+    s.start("router", "router-0", *ROUTER_ARGS, "--no-use-kv-cache")
+    s.start("engine", "engine-0", "--no-persist-kv", "--no-load-kv")
+    ready = await wait_ready(bus, {"router-0", "engine-0"}, s.procs)
+    batches: list[TokenBatch] = []
+
+    async def on_tokens(msg) -> None:  # type: ignore[no-untyped-def]
+        batches.append(decode(msg.data, TokenBatch))
+
+    await bus.subscribe_raw(bus.subjects.tokens("router-0"), on_tokens)
+    await bus.flush()
+    n_streams, n_tokens = 8, 20
+    body = {"model": "tiny", "prompt": "x", "max_tokens": n_tokens, "ignore_eos": True}
+    async with aiohttp.ClientSession() as http:
+
+        async def one() -> int:
+            async with http.post(f"{ready['router-0'].http_url}/v1/completions", json=body) as resp:
+                return int((await resp.json())["usage"]["completion_tokens"])
+
+        assert await asyncio.gather(*(one() for _ in range(n_streams))) == [n_tokens] * n_streams
+    await bus.flush()
+    total = sum(len(d.token_ids) for b in batches for d in b.deltas)
+    assert total == n_streams * n_tokens
+    # one message per engine step, not per token: far fewer messages than tokens
+    assert len(batches) <= total / 3, (len(batches), total)
+    assert max(len(b.deltas) for b in batches) >= n_streams // 2

@@ -1,0 +1,142 @@
+"""Engine scheduler rules on hand-made sequences (pure: a free-list allocator, no model)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from services.engine.scheduler import EngineScheduler, StepPlan
+from services.engine.sequence import SeqStatus, Sequence
+from shared.protocol import SamplingParams
+
+
+class FreeList:
+    """The reference block allocator: a list of free ids."""
+
+    def __init__(self, n: int) -> None:
+        self.free_ids = list(range(n))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self.free_ids)
+        out, self.free_ids = self.free_ids[:n], self.free_ids[n:]
+        return out
+
+    def free(self, block_ids: Seq[int]) -> None:
+        assert not set(block_ids) & set(self.free_ids), "double free"
+        self.free_ids.extend(block_ids)
+
+
+def seq(rid: str, n_prompt: int, max_tokens: int = 8) -> Sequence:
+    return Sequence(
+        request_id=rid,
+        router_id="r",
+        prompt_token_ids=list(range(n_prompt)),
+        sampling=SamplingParams(max_tokens=max_tokens),
+        deadline_unix_s=1e12,
+        arrived_at=0.0,
+    )
+
+
+def sched(blocks: int = 16, budget: int = 64, max_seqs: int = 8) -> EngineScheduler:
+    return EngineScheduler(
+        FreeList(blocks), block_size=4, max_num_seqs=max_seqs, max_num_batched_tokens=budget
+    )
+
+
+def apply(plan: StepPlan) -> None:
+    """Pretend the step ran: apply the plan like the engine core does."""
+    for c in plan.prefill:
+        c.seq.num_computed_tokens = c.start + c.num_tokens
+        if c.sample:
+            c.seq.output_token_ids.append(1)
+    for d in plan.decode:
+        d.num_computed_tokens += 1
+        d.output_token_ids.append(1)
+
+
+def run_prefill(s: EngineScheduler) -> None:
+    apply(s.schedule())
+
+
+def test_chunked_prefill_respects_budget_and_fifo() -> None:
+    s = sched(budget=10)
+    a, b = seq("a", 7), seq("b", 6)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [(c.seq.request_id, c.start, c.num_tokens, c.sample) for c in plan.prefill] == [
+        ("a", 0, 7, True),
+        ("b", 0, 3, False),
+    ]
+    assert len(a.block_ids) == 2 and len(b.block_ids) == 1
+    apply(plan)
+    plan = s.schedule()
+    # a decodes; b continues its prefill from token 3
+    assert [d.request_id for d in plan.decode] == ["a"]
+    assert [(c.seq.request_id, c.start, c.num_tokens, c.sample) for c in plan.prefill] == [("b", 3, 3, True)]
+
+
+def test_decode_grows_block_table_at_boundary() -> None:
+    s = sched()
+    a = seq("a", 4)
+    s.add(a)
+    run_prefill(s)  # 4 tokens computed, 1 sampled
+    assert len(a.block_ids) == 1
+    plan = s.schedule()
+    assert plan.decode == [a] and len(a.block_ids) == 2  # position 4 needs a second block
+
+
+def test_preempts_newest_when_out_of_blocks_and_recomputes_it() -> None:
+    s = sched(blocks=4, budget=64)
+    a, b = seq("a", 8), seq("b", 8)
+    s.add(a)
+    s.add(b)
+    run_prefill(s)
+    assert s.allocator.num_free_blocks == 0
+    plan = s.schedule()  # both need a third block, none free: b (newest) is preempted for a
+    assert plan.preempted == [b] and plan.decode == [a]
+    assert b.status is SeqStatus.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
+    assert s.waiting[0] is b
+    # b comes back recomputing prompt + output minus its last token, without sampling again
+    s.finish(a, "length")
+    plan = s.schedule()
+    assert [(c.seq.request_id, c.start, c.num_tokens, c.sample) for c in plan.prefill] == [("b", 0, 8, False)]
+
+
+def test_hit_tokens_are_loaded_not_budgeted() -> None:
+    s = sched(budget=4)
+    a = seq("a", 14)
+    a.num_hit_tokens = 12
+    s.add(a)
+    plan = s.schedule()
+    [c] = plan.prefill
+    assert (c.start, c.num_tokens, c.load_tokens, c.sample) == (12, 2, 12, True)
+    assert len(a.block_ids) == 4
+
+
+def test_head_of_line_waits_when_cache_is_full() -> None:
+    s = sched(blocks=3, budget=64)
+    a, b = seq("a", 8), seq("b", 4)
+    s.add(a)
+    run_prefill(s)
+    s.add(b)
+    plan = s.schedule()
+    # a's decode takes the last block; b gets nothing this step and stays first in line
+    assert plan.decode == [a] and plan.prefill == [] and s.waiting[0] is b
+
+
+def test_finish_frees_blocks_everywhere() -> None:
+    s = sched()
+    a, b = seq("a", 5), seq("b", 5)
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    s.finish(a, "abort")
+    s.finish(b, "abort")
+    assert s.allocator.num_free_blocks == 16 and not s.has_work()
+    c = seq("c", 3)  # still preparing: finishing it must not touch the queues
+    s.finish(c, "abort")
+    assert c.status is SeqStatus.FINISHED

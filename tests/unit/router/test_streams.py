@@ -1,0 +1,54 @@
+"""Router-side token streams: order, gaps, duplicates, engine failure fan-out."""
+
+from __future__ import annotations
+
+from services.router.streams import StreamTable
+from shared.errors import EngineFailedError
+from shared.protocol import TokenBatch, TokenDelta
+
+
+def batch(*deltas: TokenDelta, engine: str = "e1") -> TokenBatch:
+    return TokenBatch(engine_id=engine, step=0, deltas=list(deltas))
+
+
+def d(rid: str, seq: int, *tokens: int, finish: str | None = None) -> TokenDelta:
+    return TokenDelta(request_id=rid, seq=seq, token_ids=list(tokens), finish_reason=finish)
+
+
+def test_in_order_delivery_and_duplicates_dropped() -> None:
+    table = StreamTable()
+    s = table.open("r1", "e1")
+    assert table.deliver(batch(d("r1", 0, 5), d("r1", 1, 6))) == 2
+    assert table.deliver(batch(d("r1", 1, 6))) == 0  # duplicate
+    items = [s.queue.get_nowait() for _ in range(s.queue.qsize())]
+    assert [i.token_ids for i in items if isinstance(i, TokenDelta)] == [[5], [6]]
+
+
+def test_gap_fails_the_stream_with_a_clear_error() -> None:
+    table = StreamTable()
+    s = table.open("r1", "e1")
+    table.deliver(batch(d("r1", 0, 1), d("r1", 2, 3)))
+    assert isinstance(s.queue.get_nowait(), TokenDelta)
+    err = s.queue.get_nowait()
+    assert isinstance(err, EngineFailedError) and "expected delta 1, got 2" in err.message
+    assert table.deliver(batch(d("r1", 1, 2))) == 0  # nothing after the failure
+
+
+def test_tokens_before_assignment_are_kept() -> None:
+    table = StreamTable()
+    s = table.open("r1")
+    table.deliver(batch(d("r1", 0, 9)))
+    table.assign("r1", "e7")
+    assert table.fail_engine("e7", EngineFailedError("gone")) == 1
+    assert isinstance(s.queue.get_nowait(), TokenDelta)
+    assert isinstance(s.queue.get_nowait(), EngineFailedError)
+
+
+def test_fail_engine_touches_only_its_streams_and_close_unlinks() -> None:
+    table = StreamTable()
+    a, b = table.open("a", "e1"), table.open("b", "e2")
+    assert table.fail_engine("e1", EngineFailedError("dead")) == 1
+    assert a.queue.qsize() == 1 and b.queue.qsize() == 0
+    table.close("a")
+    table.close("b")
+    assert table.engines_with_streams() == [] and len(table) == 0
