@@ -1,0 +1,98 @@
+"""Block hashes: XXH3-64 chained over the parent hash, salted by the model fingerprint.
+
+    h_{-1} = xxh3_64(fingerprint)                       (`fingerprint_seed`)
+    h_i    = xxh3_64(u64le(h_{i-1}) || u32le(token ids of block i))
+
+Only full blocks are hashed. The hash of block i names the whole prefix up to and including block i, so a
+prompt's block hashes form a chain whose longest stored prefix is the cache hit. The salt makes two models
+(or one model with another block size or KV dtype) never share a hash. Everything is fixed-width
+little-endian and seedless, so every process on every host computes the same values (never `hash()`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+_U32_MAX = 0xFFFFFFFF
+_FINGERPRINT_VERSION = "kvpath-fp1"
+
+
+def fingerprint_seed(fingerprint: str) -> int:
+    """h_{-1}: the 64-bit hash of the model fingerprint, parent of the first block (also in file headers)."""
+    if not fingerprint:
+        raise ValueError("model fingerprint must not be empty")
+    return xxhash.xxh3_64_intdigest(fingerprint.encode())
+
+
+def model_fingerprint(architecture: str, *, dtype: str, block_size: int, **dims: int | str) -> str:
+    """A canonical fingerprint string from what makes KV bytes incompatible between two models.
+
+    `dims` are the KV-shaping dimensions (num_layers=, num_kv_heads=, head_dim=, ... or a weights digest);
+    the order of keyword arguments does not matter.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    parts = [f"{key}={dims[key]}" for key in sorted(dims)]
+    return "|".join(
+        [_FINGERPRINT_VERSION, architecture, f"dtype={dtype}", f"block_size={block_size}", *parts]
+    )
+
+
+def _as_u32(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a contiguous little-endian u32 array; out-of-range ids raise instead of wrapping."""
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.dtype("<u4"):
+        return np.ascontiguousarray(token_ids)
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype="<u4")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) > _U32_MAX:
+        raise ValueError("token ids must fit in an unsigned 32-bit integer")
+    return arr.astype("<u4", copy=False)
+
+
+def next_block_hash(parent: int, block_tokens: Sequence[int] | np.ndarray) -> int:
+    """Hash of one full block given its parent's hash (`fingerprint_seed(...)` for the first block).
+
+    For engines that extend a sequence block by block; the caller guarantees the block is full.
+    """
+    tokens = _as_u32(block_tokens)
+    if tokens.size == 0:
+        raise ValueError("a block has at least one token")
+    h = xxhash.xxh3_64()
+    h.update(int(parent).to_bytes(8, "little"))
+    h.update(tokens.data)
+    return h.intdigest()
+
+
+def block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, fingerprint: str) -> list[int]:
+    """One chained hash per FULL block of `token_ids` (a trailing partial block is not hashed)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    tokens = _as_u32(token_ids)
+    num_blocks = tokens.size // block_size
+    if num_blocks == 0:
+        return []
+    # one row per block: 2 u32 words for the parent hash, then the block's tokens; a row is hashed in place
+    rows = np.empty((num_blocks, 2 + block_size), dtype="<u4")
+    rows[:, 2:] = tokens[: num_blocks * block_size].reshape(num_blocks, block_size)
+    parent_words = rows[:, :2].view("<u8").reshape(num_blocks)
+    digest = xxhash.xxh3_64_intdigest
+    out: list[int] = []
+    parent = fingerprint_seed(fingerprint)
+    for i in range(num_blocks):
+        parent_words[i] = parent
+        parent = digest(rows[i])
+        out.append(parent)
+    return out
+
+
+def block_parents(hashes: Sequence[int], fingerprint: str) -> list[int]:
+    """The parent hash of each block of a chain: the fingerprint seed, then the previous block's hash."""
+    return [fingerprint_seed(fingerprint), *hashes[:-1]] if len(hashes) else []
