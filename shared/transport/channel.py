@@ -1,0 +1,193 @@
+"""Sender side of a control connection: numbered frames out, replies matched back by sequence number.
+
+One `ControlChannel` per `Peer`. Frames of one op go out under a lock (they must not interleave with
+another op's); replies are read by one background task and resolve the op's future. When the connection
+breaks, every op in flight fails with TransportError at once and the channel refuses new ops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import socket
+from collections.abc import Sequence
+
+import numpy as np
+
+from shared.errors import KvpathError, TransportError, error_from_code
+from shared.protocol.codec import decode
+from shared.protocol.messages import ErrorReply
+from shared.transport.reader import FrameReader
+from shared.transport.sockio import send_buffers, tune_socket
+from shared.transport.wire import RECEIVER_TYPES, U32_MAX, FrameType, Header, Limits, pack
+
+log = logging.getLogger(__name__)
+
+Reply = tuple[Header, bytes]
+
+
+class ControlChannel:
+    def __init__(self, sock: socket.socket, *, name: str, limits: Limits) -> None:
+        self.name = name
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._send_lock = asyncio.Lock()
+        self._pending: dict[int, asyncio.Future[Reply]] = {}
+        self._seq = 0
+        self._reader = FrameReader(self, limits, RECEIVER_TYPES)
+        self._broken: TransportError | None = None
+        self._readable: asyncio.Future[None] | None = None
+        self._read_task = self._loop.create_task(self._read_loop(), name=f"kv-channel-{name}")
+
+    @classmethod
+    async def open(
+        cls, host: str, port: int, *, name: str, limits: Limits, buffer_bytes: int
+    ) -> ControlChannel:
+        """Connect (the caller bounds this with its deadline)."""
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        last: OSError | None = None
+        for family, kind, proto, _, addr in infos:
+            sock = socket.socket(family, kind, proto)
+            try:
+                tune_socket(sock, buffer_bytes)
+                await loop.sock_connect(sock, addr)
+            except OSError as exc:
+                sock.close()
+                last = exc
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            return cls(sock, name=name, limits=limits)
+        raise TransportError(f"cannot connect to KV receiver {name} at {host}:{port}: {last}")
+
+    @property
+    def is_broken(self) -> bool:
+        return self._broken is not None
+
+    def next_seq(self) -> int:
+        self._seq = (self._seq + 1) & U32_MAX
+        return self._seq
+
+    def expect(self, seq: int) -> asyncio.Future[Reply]:
+        """Register for the reply to `seq` before sending the frame that asks for it."""
+        self.check()
+        future: asyncio.Future[Reply] = self._loop.create_future()
+        self._pending[seq] = future
+        return future
+
+    def forget(self, seq: int) -> None:
+        self._pending.pop(seq, None)
+
+    def check(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+
+    async def send(self, buffers: Sequence[memoryview | bytes]) -> None:
+        """Send one op's frames; a failure or cancellation midway breaks the channel (partial frame)."""
+        self.check()
+        async with self._send_lock:
+            self.check()
+            try:
+                await send_buffers(self._sock, [memoryview(b) for b in buffers])
+            except OSError as exc:
+                self.break_(f"send failed: {exc}")
+                self.check()
+            except BaseException:
+                self.break_("send interrupted midway (deadline or cancellation)")
+                raise
+
+    async def request(self, header: Header, meta: bytes = b"") -> Reply:
+        """Send a single frame with meta and wait for its reply (the caller bounds this)."""
+        header = dataclasses.replace(header, meta_len=len(meta))
+        future = self.expect(header.seq)
+        try:
+            await self.send([pack(header), meta])
+            return await future
+        finally:
+            self.forget(header.seq)
+
+    # ------------------------------------------------------------------ replies
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                buffers = self._reader.buffers()
+                try:
+                    nbytes = self._sock.recvmsg_into(buffers)[0]
+                except (BlockingIOError, InterruptedError):
+                    await self._wait_readable()
+                    continue
+                if nbytes == 0:
+                    self.break_("connection closed by the receiver")
+                    return
+                self._reader.advance(nbytes)
+        except asyncio.CancelledError:
+            raise
+        except KvpathError as exc:
+            self.break_(f"bad reply: {exc.message}")
+        except OSError as exc:
+            self.break_(f"receive failed: {exc}")
+
+    async def _wait_readable(self) -> None:
+        future: asyncio.Future[None] = self._loop.create_future()
+        fd = self._sock.fileno()
+
+        def ready() -> None:
+            if not future.done():
+                future.set_result(None)
+
+        self._loop.add_reader(fd, ready)
+        try:
+            await future
+        finally:
+            self._loop.remove_reader(fd)
+
+    def on_frame(self, header: Header, meta: bytes) -> None:
+        future = self._pending.pop(header.seq, None)
+        if future is None or future.done():
+            return  # the op gave up (deadline); its late reply is dropped
+        if header.type is FrameType.ERROR:
+            future.set_exception(_error_from_meta(meta))
+        else:
+            future.set_result((header, meta))
+
+    def on_write_begin(self, header: Header, extents: np.ndarray, meta: bytes) -> list[memoryview] | None:
+        raise TransportError("receiver sent a WRITE frame")  # excluded by RECEIVER_TYPES; never called
+
+    def on_write_end(self, header: Header, meta: bytes) -> None:
+        raise TransportError("receiver sent a WRITE frame")
+
+    # ------------------------------------------------------------------ teardown
+    def break_(self, reason: str, *, quiet: bool = False) -> None:
+        """Mark broken and fail every op in flight. Idempotent."""
+        if self._broken is not None:
+            return
+        self._broken = TransportError(f"connection to KV receiver {self.name} lost: {reason}")
+        if not quiet:
+            log.warning("kv sender: %s", self._broken.message)
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(self._broken)
+
+    async def close(self, *, bye: bytes | None = None) -> None:
+        """Optionally send a last frame (BYE), then close. Never raises."""
+        if bye is not None and self._broken is None and not self._send_lock.locked():
+            with contextlib.suppress(OSError, KvpathError):
+                self._sock.send(bye)
+        self.break_("closed by this sender", quiet=True)
+        self._read_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._read_task
+        self._sock.close()
+
+
+def _error_from_meta(meta: bytes) -> KvpathError:
+    try:
+        reply = decode(meta, ErrorReply)
+    except KvpathError as exc:
+        return TransportError(f"receiver sent an unreadable error: {exc.message}")
+    return error_from_code(reply.code, reply.message, reply.param)

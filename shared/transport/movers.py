@@ -1,0 +1,145 @@
+"""The backend seam on the sender side: a `Mover` puts one op's bytes into the remote region.
+
+Everything else (connection, hello, region lookup, bounds, deadlines, errors, acks) is the one protocol
+all backends share (`Peer`, `ControlChannel`, `ReceiverConnection`). A mover decides only how payload
+bytes travel and when the notice may be sent:
+- `TcpMover`: payload follows a WRITE frame on the control connection; the receiver acks once it landed;
+- `ShmMover`: memcpy into the receiver's mapped segment, then a NOTICE frame (only when there is a tag);
+- `RdmaMover` (rdma.py): RDMA WRITEs, the last one with an immediate, then a NOTICE frame naming it.
+Movers are created by `KvSender.connect`, called only by their `Peer` (possibly for several ops at
+once), and closed by `Peer.close`; they own what they map or register.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from shared.errors import TransportError
+from shared.protocol.transfer import RegionInfo
+from shared.shm import ShmSegment
+from shared.transport.channel import ControlChannel
+from shared.transport.wire import Flag, FrameType, Header, pack, pack_extents
+
+
+@dataclass(slots=True)
+class WriteOp:
+    """One write/write_many/notify call, validated against the region: extents lie inside it."""
+
+    region: RegionInfo
+    offsets: list[int]
+    views: list[memoryview]  # flat byte views of the callers' buffers, same order as offsets
+    nbytes: int
+    tag: int | None  # None: no notice
+    meta: bytes = b""
+
+
+class Mover(abc.ABC):
+    kind: ClassVar[str]
+
+    def __init__(self, channel: ControlChannel) -> None:
+        self.channel = channel
+
+    def prepare_region(self, info: RegionInfo) -> None:  # noqa: B027 (optional hook)
+        """Called once per region after its lookup, before the first put to it."""
+
+    def forget_region(self, region_id: int) -> None:  # noqa: B027 (optional hook)
+        """The region id went stale (unregistered at the receiver): drop what prepare_region made."""
+
+    @abc.abstractmethod
+    async def put(self, op: WriteOp) -> None:
+        """Bytes of `op` are in the remote region (and its notice posted) when this returns."""
+
+    async def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release backend resources; the channel is closed by the Peer afterwards."""
+
+    async def send_notice(self, op: WriteOp, *, imm: int | None = None) -> None:
+        """The shared NOTICE frame (after the bytes were placed by other means); waits for its ack."""
+        assert op.tag is not None
+        flags = Flag.NOTICE | (Flag.IMM if imm is not None else Flag.NONE)
+        header = Header(
+            FrameType.NOTICE,
+            flags,
+            seq=self.channel.next_seq(),
+            region_id=op.region.region_id,
+            tag=op.tag,
+            aux=imm or 0,
+            value=op.nbytes,
+        )
+        await self.channel.request(header, op.meta)
+
+
+class TcpMover(Mover):
+    kind = "tcp"
+
+    async def put(self, op: WriteOp) -> None:
+        if not op.views and op.tag is not None:
+            await self.send_notice(op)
+            return
+        channel = self.channel
+        seq = channel.next_seq()
+        header = Header(
+            FrameType.WRITE,
+            Flag.NOTICE if op.tag is not None else Flag.NONE,
+            seq=seq,
+            region_id=op.region.region_id,
+            tag=op.tag or 0,
+            aux=len(op.views),
+            meta_len=len(op.meta),
+            payload_len=op.nbytes,
+        )
+        table = pack_extents(op.offsets, [len(v) for v in op.views])
+        future = channel.expect(seq)
+        try:
+            await channel.send([memoryview(pack(header)), memoryview(table), memoryview(op.meta), *op.views])
+            await future
+        finally:
+            channel.forget(seq)
+
+
+class ShmMover(Mover):
+    kind = "shm"
+
+    def __init__(self, channel: ControlChannel) -> None:
+        super().__init__(channel)
+        self._segments: dict[int, ShmSegment] = {}
+
+    def prepare_region(self, info: RegionInfo) -> None:
+        if info.region_id in self._segments:
+            return
+        if not info.shm_segment:
+            raise TransportError(f"region {info.name!r} is not in shared memory", param="region")
+        try:
+            segment = ShmSegment.attach(info.shm_segment)
+        except (OSError, ValueError) as exc:
+            raise TransportError(f"cannot map region {info.name!r} ({info.shm_segment}): {exc}") from None
+        if segment.size < info.size_bytes:
+            segment.close()
+            raise TransportError(f"region {info.name!r}: segment smaller than announced", param="region")
+        self._segments[info.region_id] = segment
+
+    def forget_region(self, region_id: int) -> None:
+        segment = self._segments.pop(region_id, None)
+        if segment is not None:
+            segment.close()
+
+    async def put(self, op: WriteOp) -> None:
+        self.channel.check()  # a receiver known to be gone gets no more bytes
+        segment = self._segments.get(op.region.region_id)
+        if segment is None:
+            raise TransportError(f"region {op.region.name!r} is not mapped", param="region")
+        target = segment.array(np.uint8, 0, op.region.size_bytes)
+        for offset, view in zip(op.offsets, op.views, strict=True):
+            np.copyto(target[offset : offset + len(view)], np.frombuffer(view, dtype=np.uint8))
+        del target
+        if op.tag is not None:
+            await self.send_notice(op)
+
+    async def close(self) -> None:
+        for region_id in list(self._segments):
+            with contextlib.suppress(BufferError):
+                self.forget_region(region_id)
