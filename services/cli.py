@@ -25,6 +25,8 @@ _BENCH_MODULES: tuple[str, ...] = ()
 SERVICE_MODULES = {
     "router": "services.router.__main__",
     "engine": "services.engine.__main__",
+    "storage": "services.storage.__main__",
+    "index": "services.index.__main__",
 }
 
 

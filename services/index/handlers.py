@@ -1,0 +1,36 @@
+"""Bus handlers of the index: match and stats (decoding and validation happen in the bus)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shared.bus import MsgContext
+from shared.errors import InvalidRequestError
+from shared.protocol.kv import IndexMatchReply, IndexMatchRequest, IndexStats, IndexStatsRequest
+
+if TYPE_CHECKING:
+    from services.index.service import IndexService
+
+_U64_MAX = (1 << 64) - 1
+
+
+class IndexHandlers:
+    def __init__(self, service: IndexService) -> None:
+        self.service = service
+
+    async def match(self, msg: IndexMatchRequest, ctx: MsgContext) -> IndexMatchReply:
+        hashes = msg.block_hashes
+        limit = self.service.config.max_match_blocks
+        if len(hashes) > limit:
+            raise InvalidRequestError(
+                f"at most {limit} block hashes per match, got {len(hashes)}", param="block_hashes"
+            )
+        if hashes and (min(hashes) < 0 or max(hashes) > _U64_MAX):
+            raise InvalidRequestError("block hashes are unsigned 64-bit integers", param="block_hashes")
+        out = self.service.index.match(hashes)
+        return IndexMatchReply(
+            num_hit_blocks=out.num_hit_blocks, per_tier=out.per_tier, per_location=out.per_location
+        )
+
+    async def stats(self, msg: IndexStatsRequest, ctx: MsgContext) -> IndexStats:
+        return self.service.stats()

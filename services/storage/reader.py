@@ -1,0 +1,361 @@
+"""Read path: Full Block files -> the node buffer, under a bandwidth budget, leased to the request.
+
+One read request gets one contiguous extent of the node buffer (so the engine sees a single
+`[n, L, bs, bytes]` view). Blocks are read by I/O threads with one preadv each, straight into the mapped
+buffer, at most `max_concurrent_reads` at a time across all requests, each no faster than the token
+bucket allows. Only the verified leading blocks are leased; a bad block (missing, corrupt, foreign) ends
+the prefix, is removed and reported. Cancelling a read (cancel message, abort, deadline) frees its extent
+once the I/O threads touching it are done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.storage import metrics
+from services.storage.block_store import BlockStore, ReadOutcome
+from services.storage.leases import Lease, LeaseTable
+from services.storage.lru import LruCatalog
+from services.storage.token_bucket import TokenBucket
+from shared.blocks import ExtentAllocator
+from shared.errors import AbortedError, DeadlineExceededError, InvalidRequestError, OverloadedError
+from shared.hashing import fingerprint_seed
+from shared.protocol.kv import StorageReadReply, StorageReadRequest
+
+_U64_MAX = (1 << 64) - 1
+
+BadBlockReporter = Callable[[str, list[int]], None]  # (reason, block hashes)
+
+
+@dataclass(slots=True)
+class _PendingRead:
+    request_id: str
+    tokens_per_block: int
+    bytes_per_block: int
+    blocks_left: int
+
+
+@dataclass(slots=True)
+class ReaderLimits:
+    max_concurrent_reads: int
+    max_pending_reads: int
+    max_blocks_per_request: int
+    lease_s: float
+    max_lease_s: float
+    verify_checksums: bool = True
+    touch_files: bool = False  # shared root: refresh mtimes so other nodes see the recency
+
+
+class BlockReader:
+    """Owns the node buffer's allocator and leases; serves read, release, cancel and lease expiry."""
+
+    def __init__(
+        self,
+        *,
+        store: BlockStore,
+        buffer_array: np.ndarray,
+        buffer_name: str,
+        buffer_epoch: int,
+        bucket: TokenBucket,
+        catalog: LruCatalog,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        limits: ReaderLimits,
+        report_bad: BadBlockReporter,
+    ) -> None:
+        self.store = store
+        self.buffer_name = buffer_name
+        self.buffer_epoch = buffer_epoch
+        self.allocator = ExtentAllocator(int(buffer_array.nbytes))
+        self.leases = LeaseTable()
+        self.bucket = bucket
+        self.catalog = catalog
+        self.limits = limits
+        self._buffer = buffer_array.data
+        self._executor = executor
+        self._report_bad = report_bad
+        self._io_slots = asyncio.Semaphore(limits.max_concurrent_reads)
+        self._space_waiters: deque[tuple[int, asyncio.Future[int]]] = deque()
+        self._pending: dict[int, _PendingRead] = {}
+        self._tasks: dict[str, set[asyncio.Task[StorageReadReply]]] = {}
+
+    # ------------------------------------------------------------------------------------- queries
+
+    @property
+    def queue_tokens(self) -> int:
+        return sum(p.blocks_left * p.tokens_per_block for p in self._pending.values())
+
+    @property
+    def queue_bytes(self) -> int:
+        return sum(p.blocks_left * p.bytes_per_block for p in self._pending.values())
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    # ---------------------------------------------------------------------------------------- read
+
+    async def read(self, req: StorageReadRequest) -> StorageReadReply:
+        self._validate(req)
+        if len(self._pending) >= self.limits.max_pending_reads:
+            raise OverloadedError(f"{len(self._pending)} reads pending on this node; retry later")
+        num_blocks = min(
+            len(req.block_hashes), (self.allocator.capacity_bytes // 4096 * 4096) // req.block_bytes
+        )
+        if num_blocks == 0:
+            return self._reply(req, None, 0, "buffer_limit")
+        pending = _PendingRead(req.request_id, req.block_tokens, req.block_bytes, num_blocks)
+        self._pending[id(pending)] = pending
+        metrics.READ_QUEUE_REQUESTS.inc()
+        task = asyncio.create_task(self._run(req, num_blocks, pending), name=f"read:{req.request_id}")
+        self._tasks.setdefault(req.request_id, set()).add(task)
+        timed_out = False
+        try:
+            done, _ = await asyncio.wait({task}, timeout=req.timeout_s)
+            timed_out = not done
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+            self._forget(req.request_id, task, pending)
+        if not task.cancelled():
+            return task.result()
+        metrics.READS.labels("timeout" if timed_out else "cancelled").inc()
+        if timed_out:
+            raise DeadlineExceededError(f"read of {num_blocks} blocks not done within {req.timeout_s}s")
+        raise AbortedError(f"read cancelled request_id={req.request_id}")
+
+    def _forget(self, request_id: str, task: asyncio.Task[StorageReadReply], pending: _PendingRead) -> None:
+        tasks = self._tasks.get(request_id)
+        if tasks is not None:
+            tasks.discard(task)
+            if not tasks:
+                del self._tasks[request_id]
+        self._pending.pop(id(pending), None)
+        metrics.READ_QUEUE_REQUESTS.dec()
+
+    def _validate(self, req: StorageReadRequest) -> None:
+        if not req.request_id:
+            raise InvalidRequestError("request_id must not be empty", param="request_id")
+        if not req.fingerprint:
+            raise InvalidRequestError("fingerprint must not be empty", param="fingerprint")
+        if not 0 < len(req.block_hashes) <= self.limits.max_blocks_per_request:
+            raise InvalidRequestError(
+                f"a read names 1..{self.limits.max_blocks_per_request} blocks, got {len(req.block_hashes)}",
+                param="block_hashes",
+            )
+        if any(not 0 <= h <= _U64_MAX for h in req.block_hashes):
+            raise InvalidRequestError("block hashes are unsigned 64-bit integers", param="block_hashes")
+        if req.block_bytes <= 0 or req.block_tokens < 0:
+            raise InvalidRequestError("block_bytes must be > 0 and block_tokens >= 0", param="block_bytes")
+        if req.timeout_s <= 0 or not 0 <= req.lease_s <= self.limits.max_lease_s:
+            raise InvalidRequestError(
+                f"timeout_s must be > 0 and lease_s in [0, {self.limits.max_lease_s}]", param="lease_s"
+            )
+
+    async def _run(self, req: StorageReadRequest, num_blocks: int, pending: _PendingRead) -> StorageReadReply:
+        block_bytes = req.block_bytes
+        offset = await self._allocate(num_blocks * block_bytes)
+        ios: list[concurrent.futures.Future[ReadOutcome]] = []
+        try:
+            outcomes = await self._read_blocks(req, offset, num_blocks, pending, ios)
+        except BaseException:
+            self._free_when_idle(offset, ios)
+            raise
+        num_ok = next((i for i, o in enumerate(outcomes) if o is not ReadOutcome.OK), num_blocks)
+        bad = [(o, req.block_hashes[i]) for i, o in enumerate(outcomes) if o not in (None, ReadOutcome.OK)]
+        for bad_outcome in {o for o, _ in bad}:
+            self._report_bad(bad_outcome.value, [h for o, h in bad if o is bad_outcome])
+        metrics.READS.labels("hit" if num_ok == len(req.block_hashes) else "partial").inc()
+        metrics.READ_BLOCKS.labels("ok").inc(num_ok)
+        reason = ""
+        if num_ok < num_blocks:
+            first = outcomes[num_ok]
+            reason = first.value if first is not None else "cancelled"
+        elif num_blocks < len(req.block_hashes):
+            reason = "buffer_limit"
+        if num_ok == 0:
+            self.allocator.free(offset)
+            self._grant_space()
+            return self._reply(req, None, 0, reason)
+        self.allocator.shrink(offset, num_ok * block_bytes)
+        self._grant_space()
+        lease_s = req.lease_s or self.limits.lease_s
+        lease = Lease(
+            uuid.uuid4().hex, req.request_id, offset, num_ok, block_bytes, time.monotonic() + lease_s
+        )
+        self.leases.add(lease)
+        metrics.BUFFER_LEASED_BYTES.set(self.leases.leased_bytes)
+        return self._reply(req, lease, num_ok, reason, time.time() + lease_s)
+
+    async def _read_blocks(
+        self,
+        req: StorageReadRequest,
+        offset: int,
+        num_blocks: int,
+        pending: _PendingRead,
+        ios: list[concurrent.futures.Future[ReadOutcome]],
+    ) -> list[ReadOutcome | None]:
+        loop = asyncio.get_running_loop()
+        fp_hash = fingerprint_seed(req.fingerprint)
+        block_bytes = req.block_bytes
+        outcomes: list[ReadOutcome | None] = [None] * num_blocks
+        first_bad = num_blocks
+
+        async def read_one(i: int) -> None:
+            nonlocal first_bad
+            async with self._io_slots:
+                if i > first_bad:
+                    return
+                done_at = self.bucket.reserve(block_bytes, loop.time())
+                dest = self._buffer[offset + i * block_bytes : offset + (i + 1) * block_bytes]
+                io = self._executor.submit(
+                    self.store.read_into,
+                    fp_hash,
+                    req.block_hashes[i],
+                    dest,
+                    verify=self.limits.verify_checksums,
+                )
+                ios.append(io)
+                outcome = await asyncio.wrap_future(io)
+                if done_at > loop.time():
+                    await asyncio.sleep(done_at - loop.time())
+            outcomes[i] = outcome
+            pending.blocks_left -= 1
+            metrics.READ_BYTES.inc(block_bytes)
+            if outcome is not ReadOutcome.OK:
+                first_bad = min(first_bad, i)
+                self.catalog.remove((fp_hash, req.block_hashes[i]))
+                return
+            self.catalog.touch((fp_hash, req.block_hashes[i]), time.time())
+            if self.limits.touch_files:
+                self._executor.submit(self.store.touch, fp_hash, req.block_hashes[i])
+
+        await asyncio.gather(*(read_one(i) for i in range(num_blocks)))
+        return outcomes
+
+    def _reply(
+        self,
+        req: StorageReadRequest,
+        lease: Lease | None,
+        num_blocks: int,
+        reason: str,
+        lease_deadline_unix_s: float = 0.0,
+    ) -> StorageReadReply:
+        return StorageReadReply(
+            request_id=req.request_id,
+            lease_id=lease.lease_id if lease else "",
+            buffer_name=self.buffer_name,
+            buffer_epoch=self.buffer_epoch,
+            offset=lease.offset if lease else 0,
+            num_blocks=num_blocks,
+            block_bytes=req.block_bytes,
+            lease_deadline_unix_s=lease_deadline_unix_s,
+            miss_reason=reason,
+        )
+
+    # ------------------------------------------------------------------------------- buffer space
+
+    async def _allocate(self, nbytes: int) -> int:
+        """An extent of `nbytes`, waiting in FIFO order for space freed by releases."""
+        if not self._space_waiters:
+            offset = self.allocator.allocate(nbytes)
+            if offset is not None:
+                return offset
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        entry = (nbytes, future)
+        self._space_waiters.append(entry)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.allocator.free(future.result())
+                self._grant_space()
+            raise
+        finally:
+            with contextlib.suppress(ValueError):
+                self._space_waiters.remove(entry)
+
+    def _grant_space(self) -> None:
+        """Hand freed space to waiting reads, oldest first (no overtaking)."""
+        metrics.BUFFER_USED_BYTES.set(self.allocator.used_bytes)
+        while self._space_waiters:
+            nbytes, future = self._space_waiters[0]
+            if future.done():
+                self._space_waiters.popleft()
+                continue
+            offset = self.allocator.allocate(nbytes)
+            if offset is None:
+                return
+            self._space_waiters.popleft()
+            future.set_result(offset)
+
+    def _free_when_idle(self, offset: int, ios: list[concurrent.futures.Future[ReadOutcome]]) -> None:
+        """Free an extent once no I/O thread writes into it any more."""
+        busy = [io for io in ios if not io.done()]
+        if not busy:
+            self.allocator.free(offset)
+            self._grant_space()
+            return
+        loop = asyncio.get_running_loop()
+        left = [len(busy)]
+
+        def one_done() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self.allocator.free(offset)
+                self._grant_space()
+
+        for io in busy:
+            io.add_done_callback(lambda _f: loop.call_soon_threadsafe(one_done))
+
+    # --------------------------------------------------------------------------- release / cancel
+
+    def release(self, lease_id: str) -> bool:
+        lease = self.leases.pop(lease_id)
+        if lease is None:
+            return False
+        self._free_lease(lease)
+        return True
+
+    def cancel(self, request_id: str, *, drop_leases: bool) -> tuple[int, int]:
+        """Cancel the request's reads (and drop its leases); return (reads cancelled, leases dropped)."""
+        tasks = [t for t in self._tasks.get(request_id, ()) if not t.done()]
+        for task in tasks:
+            task.cancel()
+        leases = self.leases.pop_request(request_id) if drop_leases else []
+        for lease in leases:
+            self._free_lease(lease)
+        return len(tasks), len(leases)
+
+    def reap_expired(self, now_s: float) -> int:
+        expired = self.leases.pop_expired(now_s)
+        for lease in expired:
+            self._free_lease(lease)
+        metrics.LEASES_EXPIRED.inc(len(expired))
+        return len(expired)
+
+    def _free_lease(self, lease: Lease) -> None:
+        self.allocator.free(lease.offset)
+        metrics.BUFFER_LEASED_BYTES.set(self.leases.leased_bytes)
+        self._grant_space()
+
+    async def drain(self, timeout_s: float) -> None:
+        tasks = {t for ts in self._tasks.values() for t in ts}
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(0.0, timeout_s))
+
+    def close(self) -> None:
+        for tasks in self._tasks.values():
+            for task in tasks:
+                task.cancel()
+        with contextlib.suppress(BufferError):
+            self._buffer.release()

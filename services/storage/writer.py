@@ -1,0 +1,254 @@
+"""Write path: blocks an engine staged in its own shared-memory segment -> durable files -> BlockStored.
+
+The engine copies blocks into its staging segment and names (segment, offsets); this service maps the
+segment by name and writes each file from a memoryview of it (no KV bytes on NATS, no extra copy).
+Capacity is reserved in the LRU catalog before a file is written, evicting least recently used files
+(announced as BlockRemoved) when needed. The reply comes once the files are durable (see
+`block_store.fsync_policy`) and the BlockStored event is in the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.storage import metrics
+from services.storage.block_store import HEADER_BYTES, BlockStore
+from services.storage.lru import BlockKey, LruCatalog
+from services.storage.token_bucket import TokenBucket
+from shared.errors import InvalidRequestError, KvpathError, OverloadedError, StorageError
+from shared.hashing import fingerprint_seed
+from shared.protocol.kv import StorageWriteReply, StorageWriteRequest
+from shared.shm import ShmSegment, segment_path
+
+_U64_MAX = (1 << 64) - 1
+
+AnnounceStored = Callable[[list[int], list[int], int], Awaitable[int]]  # hashes, parents, block_tokens -> seq
+AnnounceRemoved = Callable[[str, list[int]], Awaitable[None]]  # reason, hashes
+
+
+@dataclass(slots=True)
+class WriterLimits:
+    max_concurrent_writes: int
+    max_pending_writes: int
+    max_blocks_per_request: int
+    max_attached_segments: int
+    is_shared_root: bool = False
+
+
+class SegmentCache:
+    """Engine staging segments mapped by name, re-mapped when the name points at a new file."""
+
+    def __init__(self, max_segments: int) -> None:
+        self.max_segments = max_segments
+        self._segments: OrderedDict[str, tuple[ShmSegment, np.ndarray, int]] = OrderedDict()
+
+    def array(self, name: str) -> np.ndarray:
+        try:
+            inode = os.stat(segment_path(name)).st_ino
+        except (FileNotFoundError, ValueError) as exc:
+            raise InvalidRequestError(
+                f"staging segment {name!r} not found: {exc}", param="segment_name"
+            ) from None
+        cached = self._segments.get(name)
+        if cached is not None and cached[2] == inode:
+            self._segments.move_to_end(name)
+            return cached[1]
+        if cached is not None:
+            cached[0].close()
+        seg = ShmSegment.attach(name)
+        self._segments[name] = (seg, seg.array(), inode)
+        while len(self._segments) > self.max_segments:
+            _, (old, _, _) = self._segments.popitem(last=False)
+            old.close()
+        return self._segments[name][1]
+
+    def close(self) -> None:
+        for seg, _, _ in self._segments.values():
+            seg.close()
+        self._segments.clear()
+
+
+class BlockWriter:
+    def __init__(
+        self,
+        *,
+        store: BlockStore,
+        catalog: LruCatalog,
+        bucket: TokenBucket,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        limits: WriterLimits,
+        announce_stored: AnnounceStored,
+        announce_removed: AnnounceRemoved,
+    ) -> None:
+        self.store = store
+        self.catalog = catalog
+        self.bucket = bucket
+        self.limits = limits
+        self.segments = SegmentCache(limits.max_attached_segments)
+        self._executor = executor
+        self._announce_stored = announce_stored
+        self._announce_removed = announce_removed
+        self._io_slots = asyncio.Semaphore(limits.max_concurrent_writes)
+        self._room_lock = asyncio.Lock()
+        self._num_pending = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def num_pending(self) -> int:
+        return self._num_pending
+
+    async def write(self, req: StorageWriteRequest) -> StorageWriteReply:
+        self._validate(req)
+        if self._num_pending >= self.limits.max_pending_writes:
+            raise OverloadedError(f"{self._num_pending} writes pending on this node; retry later")
+        self._num_pending += 1
+        self._idle.clear()
+        try:
+            return await asyncio.wait_for(self._write(req), req.timeout_s)
+        except TimeoutError:
+            metrics.WRITE_ERRORS.labels("timeout").inc()
+            raise StorageError(
+                f"write of {len(req.block_hashes)} blocks not done within {req.timeout_s}s"
+            ) from None
+        finally:
+            self._num_pending -= 1
+            if self._num_pending == 0:
+                self._idle.set()
+
+    def _validate(self, req: StorageWriteRequest) -> None:
+        n = len(req.block_hashes)
+        if not req.request_id or not req.fingerprint or not req.segment_name:
+            raise InvalidRequestError("request_id, fingerprint and segment_name must not be empty")
+        if not 0 < n <= self.limits.max_blocks_per_request:
+            raise InvalidRequestError(
+                f"a write names 1..{self.limits.max_blocks_per_request} blocks, got {n}", param="block_hashes"
+            )
+        if len(req.offsets) != n or len(req.parent_hashes) != n:
+            raise InvalidRequestError(
+                f"{n} block hashes but {len(req.offsets)} offsets and {len(req.parent_hashes)} parents"
+            )
+        if any(not 0 <= h <= _U64_MAX for h in (*req.block_hashes, *req.parent_hashes)):
+            raise InvalidRequestError("block hashes are unsigned 64-bit integers", param="block_hashes")
+        if req.block_bytes <= 0 or req.timeout_s <= 0:
+            raise InvalidRequestError("block_bytes and timeout_s must be > 0", param="block_bytes")
+
+    async def _write(self, req: StorageWriteRequest) -> StorageWriteReply:
+        source = self.segments.array(req.segment_name)
+        if any(off < 0 or off + req.block_bytes > source.nbytes for off in req.offsets):
+            raise InvalidRequestError(
+                f"an offset lies outside segment {req.segment_name} of {source.nbytes} B", param="offsets"
+            )
+        fp_hash = fingerprint_seed(req.fingerprint)
+        results = await asyncio.gather(
+            *(self._persist(fp_hash, req, i, source) for i in range(len(req.block_hashes))),
+            return_exceptions=True,
+        )
+        ok = [i for i, r in enumerate(results) if isinstance(r, bool)]
+        num_written = sum(1 for i in ok if results[i] is True)
+        metrics.WRITE_BLOCKS.labels("written").inc(num_written)
+        metrics.WRITE_BLOCKS.labels("existing").inc(len(ok) - num_written)
+        seq = 0
+        if ok:
+            hashes = [req.block_hashes[i] for i in ok]
+            parents = [req.parent_hashes[i] for i in ok]
+            seq = await self._announce_stored(hashes, parents, req.block_tokens)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            metrics.WRITE_ERRORS.labels("io").inc()
+            first = errors[0]
+            detail = first.message if isinstance(first, KvpathError) else repr(first)
+            raise StorageError(
+                f"{len(errors)} of {len(results)} blocks not written ({len(ok)} durable): {detail}"
+            )
+        return StorageWriteReply(
+            request_id=req.request_id,
+            num_written=num_written,
+            num_existing=len(ok) - num_written,
+            event_stream_seq=seq,
+        )
+
+    async def _persist(self, fp_hash: int, req: StorageWriteRequest, i: int, source: np.ndarray) -> bool:
+        """Write block i unless it is already stored; True when written."""
+        key: BlockKey = (fp_hash, req.block_hashes[i])
+        if self.catalog.touch(key, time.time()):
+            return False
+        file_bytes = HEADER_BYTES + req.block_bytes
+        await self._reserve(key, file_bytes)
+        loop = asyncio.get_running_loop()
+        payload = source[req.offsets[i] : req.offsets[i] + req.block_bytes].data
+        try:
+            async with self._io_slots:
+                done_at = self.bucket.reserve(file_bytes, loop.time())
+                written = await loop.run_in_executor(
+                    self._executor, self._persist_sync, key, req.parent_hashes[i], payload, req.block_bytes
+                )
+                if written and done_at > loop.time():
+                    await asyncio.sleep(done_at - loop.time())
+        except BaseException:
+            self.catalog.remove(key)
+            raise
+        if written or not self.limits.is_shared_root:
+            self.catalog.touch(key, time.time())
+        else:  # another node's file on the shared root: its writer accounts for it
+            self.catalog.remove(key)
+        if written:
+            metrics.WRITE_BYTES.inc(file_bytes)
+        metrics.STORE_USED_BYTES.set(self.catalog.used_bytes)
+        return written
+
+    def _persist_sync(self, key: BlockKey, parent_hash: int, payload: memoryview, block_bytes: int) -> bool:
+        if self.store.exists(key[0], key[1], block_bytes):
+            return False
+        self.store.write(key[0], key[1], parent_hash, payload)
+        return True
+
+    async def _reserve(self, key: BlockKey, file_bytes: int) -> None:
+        """Account for a new file, evicting least recently used ones first (announced as BlockRemoved)."""
+        if not self.catalog.can_ever_fit(file_bytes):
+            raise StorageError(
+                f"storage full: a {file_bytes} B block exceeds capacity {self.catalog.capacity_bytes}"
+            )
+        async with self._room_lock:
+            evicted = await self._evict_for(file_bytes)
+            self.catalog.add(key, file_bytes, time.time())
+        if evicted:
+            metrics.EVICTIONS.inc(len(evicted))
+            await self._announce_removed("evicted", evicted)
+
+    async def _evict_for(self, file_bytes: int) -> list[int]:
+        loop = asyncio.get_running_loop()
+        evicted: list[int] = []
+        rechecks_left = len(self.catalog)
+        while not self.catalog.fits(file_bytes):
+            popped = self.catalog.pop_lru()
+            if popped is None:
+                raise StorageError("storage full: every byte of capacity is reserved by writes in flight")
+            key, entry = popped
+            if self.limits.is_shared_root and rechecks_left > 0:
+                rechecks_left -= 1
+                mtime = await loop.run_in_executor(self._executor, self.store.mtime_s, *key)
+                if mtime is None:
+                    continue  # removed by another node already
+                if mtime > entry.last_access_s + 1.0:  # read by another node since: keep it
+                    self.catalog.add(key, entry.file_bytes, mtime)
+                    continue
+            await loop.run_in_executor(self._executor, self.store.remove, *key)
+            evicted.append(key[1])
+        return evicted
+
+    async def drain(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), max(0.0, timeout_s))
+
+    def close(self) -> None:
+        self.segments.close()

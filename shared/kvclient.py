@@ -1,0 +1,485 @@
+"""What engines and the router call to use the KV tiers: index lookups, storage reads/writes, KV events.
+
+    IndexClient(bus).match(hashes)                -> MatchResult (longest stored prefix, per tier)
+    StorageClient(bus, node, layout, fingerprint)   the node's storage service:
+        read(request_id, hashes, deadline_s=)     -> ReadLease (zero-copy views into the node buffer)
+        stage(n) -> StagedBlocks; write(staged, hashes, parents)   persist blocks from the staging segment
+    KvEventPublisher(bus, source)                   BlockStored / BlockRemoved / Cleared events
+    ensure_kv_events_stream(bus)                    create the stream idempotently (whoever starts first)
+
+KV bytes never travel over NATS: reads land in the node's shared-memory buffer and the reply names the
+offset; writes name offsets in a staging segment the client owns and the storage service maps by name.
+Every call has a deadline and raises `shared.errors` types (ServiceUnavailableError when nobody answers,
+DeadlineExceededError on expiry), so callers can fall back to recomputing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import nats.errors
+import nats.js.errors
+import numpy as np
+from nats.js.api import StorageType, StreamConfig
+
+from shared.blocks import BlockLayout, ExtentAllocator, layer_view
+from shared.bus import Bus
+from shared.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    KvpathError,
+    OverloadedError,
+    ServiceUnavailableError,
+)
+from shared.protocol import Ack, encode
+from shared.protocol.kv import (
+    BlockRemoved,
+    BlockStored,
+    Cleared,
+    IndexMatchReply,
+    IndexMatchRequest,
+    IndexStats,
+    IndexStatsRequest,
+    KvEvent,
+    StorageCancel,
+    StorageInfo,
+    StorageInfoRequest,
+    StorageReadReply,
+    StorageReadRequest,
+    StorageRelease,
+    StorageWriteReply,
+    StorageWriteRequest,
+)
+from shared.shm import ShmSegment
+
+log = logging.getLogger(__name__)
+
+_DUPLICATE_WINDOW_S = 120.0
+_EventBuilder = Callable[[int], KvEvent]
+_CONTROL_TIMEOUT_S = 2.0
+
+
+# ------------------------------------------------------------------------------------- KV events
+
+
+async def ensure_kv_events_stream(bus: Bus, *, max_bytes: int = -1) -> str:
+    """Create the KV-events JetStream stream if it does not exist (idempotent, race-safe); return its name."""
+    name = bus.subjects.kv_events_stream
+    try:
+        try:
+            await bus.js.stream_info(name)
+            return name
+        except nats.js.errors.NotFoundError:
+            pass
+        config = StreamConfig(
+            name=name,
+            subjects=[bus.subjects.kv_events_all],
+            storage=StorageType.FILE,
+            max_bytes=max_bytes,
+            duplicate_window=_DUPLICATE_WINDOW_S,
+        )
+        try:
+            await bus.js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await bus.js.stream_info(name)  # created concurrently by another service
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise ServiceUnavailableError(f"cannot create KV-events stream {name}: {exc!r}") from exc
+    return name
+
+
+class KvEventPublisher:
+    """Publishes one source's KV events in order, with (epoch, seq) for idempotent consumers.
+
+    Publishes are serialized so stream order equals seq order; each waits for the stream's ack and
+    returns the stream sequence (which `IndexClient.wait_applied` can wait for).
+    """
+
+    def __init__(self, bus: Bus, source: str, *, timeout_s: float | None = None) -> None:
+        self.bus = bus
+        self.source = source
+        self.subject = bus.subjects.kv_events(source)
+        self.timeout_s = timeout_s or bus.request_timeout_s
+        self.epoch = time.time_ns()
+        self._seq = 0
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        await ensure_kv_events_stream(self.bus)
+
+    async def stored(
+        self,
+        location: str,
+        block_hashes: Sequence[int],
+        parent_hashes: Sequence[int] = (),
+        *,
+        block_tokens: int = 0,
+    ) -> int:
+        return await self._publish(
+            lambda seq: BlockStored(
+                source=self.source,
+                epoch=self.epoch,
+                seq=seq,
+                sent_at=time.time(),
+                location=location,
+                block_hashes=list(block_hashes),
+                parent_hashes=list(parent_hashes),
+                block_tokens=block_tokens,
+            )
+        )
+
+    async def removed(self, location: str, block_hashes: Sequence[int], *, reason: str = "") -> int:
+        return await self._publish(
+            lambda seq: BlockRemoved(
+                source=self.source,
+                epoch=self.epoch,
+                seq=seq,
+                sent_at=time.time(),
+                location=location,
+                block_hashes=list(block_hashes),
+                reason=reason,
+            )
+        )
+
+    async def cleared(self, locations: Sequence[str], *, reason: str = "") -> int:
+        return await self._publish(
+            lambda seq: Cleared(
+                source=self.source,
+                epoch=self.epoch,
+                seq=seq,
+                sent_at=time.time(),
+                locations=list(locations),
+                reason=reason,
+            )
+        )
+
+    async def _publish(self, build: _EventBuilder) -> int:
+        """Publish the event built for the next seq; return its stream sequence."""
+        async with self._lock:
+            self._seq += 1
+            event = build(self._seq)
+            headers = {"Nats-Msg-Id": f"{self.source}:{self.epoch}:{event.seq}"}
+            try:
+                ack = await self.bus.js.publish(
+                    self.subject, encode(event), timeout=self.timeout_s, headers=headers
+                )
+            except nats.errors.TimeoutError as exc:
+                raise DeadlineExceededError(f"KV event not acknowledged on {self.subject}") from exc
+            except (nats.errors.Error, nats.js.errors.Error) as exc:
+                raise ServiceUnavailableError(f"cannot publish KV event on {self.subject}: {exc!r}") from exc
+            return int(ack.seq)
+
+
+# ------------------------------------------------------------------------------------------- index
+
+
+@dataclass(slots=True, frozen=True)
+class MatchResult:
+    num_hit_blocks: int  # consecutive from the start, present in any location (only `store` for now)
+    per_tier: dict[str, int] = field(default_factory=dict)
+    per_location: dict[str, int] = field(default_factory=dict)
+
+
+class IndexClient:
+    """The router's and engines' view of the metadata index."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    async def match(self, block_hashes: Sequence[int], *, timeout_s: float | None = None) -> MatchResult:
+        """Longest prefix present per tier. Index down: ServiceUnavailableError / DeadlineExceededError."""
+        if not block_hashes:
+            return MatchResult(0)
+        reply = await self.bus.request(
+            self.bus.subjects.index_match,
+            IndexMatchRequest(block_hashes=[int(h) for h in block_hashes]),
+            IndexMatchReply,
+            timeout_s=timeout_s,
+        )
+        return MatchResult(reply.num_hit_blocks, reply.per_tier, reply.per_location)
+
+    async def stats(self, *, timeout_s: float | None = None) -> IndexStats:
+        return await self.bus.request(
+            self.bus.subjects.index_stats, IndexStatsRequest(), IndexStats, timeout_s=timeout_s
+        )
+
+    async def wait_applied(self, stream_seq: int, *, timeout_s: float) -> IndexStats:
+        """Wait until the index has applied the KV event at `stream_seq` (e.g. a write's event)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        delay_s = 0.005
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise DeadlineExceededError(
+                    f"index did not apply stream seq {stream_seq} within {timeout_s}s"
+                )
+            with contextlib.suppress(ServiceUnavailableError, DeadlineExceededError):
+                stats = await self.stats(timeout_s=min(remaining, _CONTROL_TIMEOUT_S))
+                if stats.applied_stream_seq >= stream_seq:
+                    return stats
+            await asyncio.sleep(min(delay_s, max(0.0, deadline - loop.time())))
+            delay_s = min(delay_s * 2, 0.1)
+
+
+# ----------------------------------------------------------------------------------------- storage
+
+
+@dataclass(slots=True, eq=False)
+class ReadLease:
+    """Blocks read into the node buffer, leased to one request until `release()` (or the lease expires).
+
+    `views[i, l]` is layer l of block i, a view into shared memory: no copy. Use them only before release.
+    """
+
+    request_id: str
+    lease_id: str
+    num_blocks: int
+    views: np.ndarray  # uint8 [num_blocks, num_layers, block_size, bytes]
+    miss_reason: str = ""
+    _client: StorageClient | None = None
+
+    def layer(self, layer: int) -> np.ndarray:
+        """Layer `layer` of every leased block: `[num_blocks, block_size, bytes]`."""
+        return layer_view(self.views, layer)
+
+    async def release(self) -> None:
+        """Give the buffer space back (idempotent). Views must not be used afterwards."""
+        client, self._client = self._client, None
+        self.views = self.views[:0]
+        if client is not None and self.lease_id:
+            await client._release(self.lease_id)
+
+    async def __aenter__(self) -> ReadLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+
+@dataclass(slots=True, eq=False)
+class StagedBlocks:
+    """Space for `num_blocks` Full Blocks in the client's staging segment; fill `views`, then `write()`."""
+
+    offset: int
+    num_blocks: int
+    views: np.ndarray  # uint8 [num_blocks, num_layers, block_size, bytes]
+
+
+@dataclass(slots=True, frozen=True)
+class WriteResult:
+    num_written: int
+    num_existing: int
+    event_stream_seq: int  # the BlockStored event's stream sequence (0: none published)
+
+
+class StorageClient:
+    """One engine's handle on its node's storage service (see the module docstring)."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        node: int,
+        layout: BlockLayout,
+        fingerprint: str,
+        *,
+        staging_bytes: int = 64 * 1024 * 1024,
+        lease_s: float = 0.0,
+    ) -> None:
+        if not fingerprint:
+            raise ValueError("fingerprint must not be empty")
+        self.bus = bus
+        self.node = node
+        self.layout = layout
+        self.fingerprint = fingerprint
+        self.lease_s = lease_s
+        self.staging_bytes = max(staging_bytes, layout.full_block_bytes)
+        self._staging: ShmSegment | None = None
+        self._staging_array: np.ndarray | None = None
+        self._staging_alloc: ExtentAllocator | None = None
+        self._buffer: ShmSegment | None = None
+        self._buffer_array: np.ndarray | None = None
+        self._buffer_key: tuple[str, int] = ("", 0)
+        self._quarantine: set[asyncio.TimerHandle] = set()
+
+    async def start(self) -> None:
+        """Create the staging segment and map the node buffer (mapped later if storage is not up yet)."""
+        if self._staging is None:
+            name = f"kvpath-{self.bus.subjects.namespace}-stage-{uuid.uuid4().hex[:12]}"
+            self._staging = ShmSegment.create(name, self.staging_bytes)
+            self._staging_array = self._staging.array()
+            self._staging_alloc = ExtentAllocator(self.staging_bytes)
+        try:
+            info = await self.info(timeout_s=_CONTROL_TIMEOUT_S)
+            self._map_buffer(info.buffer_name, info.buffer_epoch)
+        except KvpathError as exc:
+            log.warning("storage node=%s not reachable yet: %s", self.node, exc.message)
+
+    async def close(self) -> None:
+        for handle in self._quarantine:
+            handle.cancel()
+        self._quarantine.clear()
+        self._staging_array = self._buffer_array = None
+        for seg in (self._staging, self._buffer):
+            if seg is not None:
+                seg.close()
+        self._staging = self._buffer = None
+
+    async def info(self, *, timeout_s: float | None = None) -> StorageInfo:
+        return await self.bus.request(
+            self.bus.subjects.storage_control(self.node),
+            StorageInfoRequest(),
+            StorageInfo,
+            timeout_s=timeout_s,
+        )
+
+    # ------------------------------------------------------------------------------------------ read
+
+    async def read(
+        self, request_id: str, block_hashes: Sequence[int], *, deadline_s: float, lease_s: float | None = None
+    ) -> ReadLease:
+        """Read the blocks into the node buffer; `deadline_s` is the time budget in seconds from now.
+
+        Returns the verified leading blocks (fewer than asked when one is missing or corrupt).
+        """
+        if deadline_s <= 0 or deadline_s > 1e6:
+            raise InvalidRequestError(
+                f"deadline_s must be seconds from now, got {deadline_s}", param="deadline_s"
+            )
+        if not block_hashes:
+            return ReadLease(request_id, "", 0, self.layout.empty_blocks(0))
+        msg = StorageReadRequest(
+            request_id=request_id,
+            fingerprint=self.fingerprint,
+            block_hashes=[int(h) for h in block_hashes],
+            block_bytes=self.layout.full_block_bytes,
+            block_tokens=self.layout.block_size,
+            timeout_s=max(0.01, deadline_s * 0.95),
+            lease_s=self.lease_s if lease_s is None else lease_s,
+        )
+        try:
+            reply = await self.bus.request(
+                self.bus.subjects.storage_read(self.node), msg, StorageReadReply, timeout_s=deadline_s
+            )
+        except DeadlineExceededError:
+            await self.cancel(request_id)
+            raise
+        if reply.num_blocks == 0:
+            return ReadLease(request_id, "", 0, self.layout.empty_blocks(0), reply.miss_reason)
+        try:
+            buffer = self._map_buffer(reply.buffer_name, reply.buffer_epoch)
+            views = self.layout.full_blocks_view(buffer, reply.offset, reply.num_blocks)
+        except (OSError, ValueError) as exc:
+            await self._release(reply.lease_id)
+            raise ServiceUnavailableError(f"cannot map node buffer {reply.buffer_name}: {exc}") from exc
+        return ReadLease(request_id, reply.lease_id, reply.num_blocks, views, reply.miss_reason, self)
+
+    async def cancel(self, request_id: str) -> None:
+        """Stop the request's reads and drop its leases (best effort, bounded wait)."""
+        subject = self.bus.subjects.storage_control(self.node)
+        with contextlib.suppress(KvpathError):
+            await self.bus.request(
+                subject, StorageCancel(request_id=request_id), Ack, timeout_s=_CONTROL_TIMEOUT_S
+            )
+
+    async def _release(self, lease_id: str) -> None:
+        subject = self.bus.subjects.storage_control(self.node)
+        try:
+            await self.bus.request(
+                subject, StorageRelease(lease_id=lease_id), Ack, timeout_s=_CONTROL_TIMEOUT_S
+            )
+        except KvpathError as exc:  # the lease expires on its own
+            log.warning("lease release failed lease=%s: %s", lease_id, exc.message)
+
+    def _map_buffer(self, name: str, epoch: int) -> np.ndarray:
+        if self._buffer_array is None or self._buffer_key != (name, epoch):
+            if self._buffer is not None:
+                self._buffer.close()
+            self._buffer = None
+            self._buffer = ShmSegment.attach(name)
+            self._buffer_array = self._buffer.array()
+            self._buffer_key = (name, epoch)
+        return self._buffer_array
+
+    # ----------------------------------------------------------------------------------------- write
+
+    def stage(self, num_blocks: int) -> StagedBlocks:
+        """Reserve staging space for `num_blocks` blocks. OverloadedError when the staging segment is full."""
+        if self._staging_alloc is None or self._staging_array is None:
+            raise ServiceUnavailableError("StorageClient not started")
+        if num_blocks <= 0:
+            raise InvalidRequestError(f"num_blocks must be > 0, got {num_blocks}", param="num_blocks")
+        offset = self._staging_alloc.allocate(self.layout.blocks_bytes(num_blocks))
+        if offset is None:
+            raise OverloadedError(
+                f"staging segment full ({self.staging_bytes} B): cannot stage {num_blocks} blocks"
+            )
+        views = self.layout.full_blocks_view(self._staging_array, offset, num_blocks)
+        return StagedBlocks(offset, num_blocks, views)
+
+    def unstage(self, staged: StagedBlocks) -> None:
+        if self._staging_alloc is not None and staged.num_blocks:
+            self._staging_alloc.free(staged.offset)
+            staged.num_blocks = 0
+            staged.views = staged.views[:0]
+
+    async def write(
+        self,
+        staged: StagedBlocks,
+        block_hashes: Sequence[int],
+        parent_hashes: Sequence[int],
+        *,
+        request_id: str = "",
+        timeout_s: float | None = None,
+    ) -> WriteResult:
+        """Persist the staged blocks; returns once they are durable and announced. Frees the staging space.
+
+        Raises StorageError (storage full, I/O error) or ServiceUnavailable/DeadlineExceeded; the engine
+        keeps serving either way.
+        """
+        if self._staging is None:
+            raise ServiceUnavailableError("StorageClient not started")
+        if not len(block_hashes) == len(parent_hashes) == staged.num_blocks:
+            raise InvalidRequestError(
+                f"{staged.num_blocks} staged blocks, {len(block_hashes)} hashes, {len(parent_hashes)} parents"
+            )
+        bb = self.layout.full_block_bytes
+        timeout = timeout_s or self.bus.request_timeout_s
+        msg = StorageWriteRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            fingerprint=self.fingerprint,
+            segment_name=self._staging.name,
+            offsets=[staged.offset + i * bb for i in range(staged.num_blocks)],
+            block_bytes=bb,
+            block_hashes=[int(h) for h in block_hashes],
+            parent_hashes=[int(h) for h in parent_hashes],
+            block_tokens=self.layout.block_size,
+            timeout_s=timeout,
+        )
+        try:
+            reply = await self.bus.request(
+                self.bus.subjects.storage_write(self.node), msg, StorageWriteReply, timeout_s=timeout
+            )
+        except DeadlineExceededError:
+            self._free_later(staged, timeout)  # the service may still be reading the staged bytes
+            raise
+        except KvpathError:
+            self.unstage(staged)
+            raise
+        self.unstage(staged)
+        return WriteResult(reply.num_written, reply.num_existing, reply.event_stream_seq)
+
+    def _free_later(self, staged: StagedBlocks, delay_s: float) -> None:
+        loop = asyncio.get_running_loop()
+
+        def free() -> None:
+            self._quarantine.discard(handle)
+            self.unstage(staged)
+
+        handle = loop.call_later(delay_s, free)
+        self._quarantine.add(handle)

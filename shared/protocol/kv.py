@@ -1,0 +1,211 @@
+"""KV messages: KV events (JetStream), the metadata index API and the storage service API.
+
+Block hashes travel as unsigned 64-bit JSON integers (`shared.hashing`). Locations are strings
+`<tier>` or `<tier>:<id>`: `store` (persistent storage, readable by every storage service over the
+shared root), later `hbm:<engine>`, `dram:<node>`, `cxl:<pool>`; a new tier needs no format change.
+KV bytes never travel here: reads name (buffer, offset) in the node buffer, writes name (segment, offsets)
+in the engine's staging segment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+
+from shared.protocol.codec import Message, message
+
+TIER_STORE = "store"
+TIERS = ("hbm", "dram", "cxl", "store")
+
+
+def location_tier(location: str) -> str:
+    """`hbm:engine-1` -> `hbm`; `store` -> `store`."""
+    return location.split(":", 1)[0]
+
+
+# ----------------------------------------------------------------------------------------- KV events
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class KvEvent(Message):
+    """Base of the KV events on `kv.events.<source>`.
+
+    `(epoch, seq)` orders one source's events: `seq` counts from 1 within an epoch, and a source that
+    restarts starts a new, larger epoch (its start time in ns). Consumers apply an event only when its
+    (epoch, seq) is newer than the last one applied for that source, which makes duplicates and replays
+    no-ops.
+    """
+
+    source: str
+    epoch: int
+    seq: int
+    sent_at: float = 0.0
+
+
+@message
+class BlockStored(KvEvent):
+    """Blocks became readable at `location`; `parent_hashes[i]` is block i's parent (chain structure)."""
+
+    KIND = "kv_block_stored"
+    location: str
+    block_hashes: list[int]
+    parent_hashes: list[int] = field(default_factory=list)
+    block_tokens: int = 0
+
+
+@message
+class BlockRemoved(KvEvent):
+    KIND = "kv_block_removed"
+    location: str
+    block_hashes: list[int]
+    reason: str = ""  # evicted | corrupt | missing | released
+
+
+@message
+class Cleared(KvEvent):
+    """Every block at these locations is gone (a wiped store, an engine restart)."""
+
+    KIND = "kv_cleared"
+    locations: list[str]
+    reason: str = ""
+
+
+KV_EVENT_TYPES: tuple[type[KvEvent], ...] = (BlockStored, BlockRemoved, Cleared)
+
+
+# ---------------------------------------------------------------------------------------------- index
+
+
+@message
+class IndexMatchRequest(Message):
+    """`index.match`: the block hashes of a prompt, in chain order."""
+
+    KIND = "index_match"
+    block_hashes: list[int]
+
+
+@message
+class IndexMatchReply(Message):
+    """Hit counts, each the number of consecutive hashes from the start present there."""
+
+    KIND = "index_match_reply"
+    num_hit_blocks: int  # consecutive from the start, present in any location
+    per_tier: dict[str, int] = field(default_factory=dict)
+    per_location: dict[str, int] = field(default_factory=dict)
+
+
+@message
+class IndexStatsRequest(Message):
+    KIND = "index_stats_request"
+
+
+@message
+class IndexStats(Message):
+    KIND = "index_stats"
+    service_id: str
+    num_blocks: int
+    table_bytes: int
+    applied_stream_seq: int  # last stream sequence applied (0: none)
+    snapshot_stream_seq: int = 0
+    num_events_applied: int = 0
+    num_events_ignored: int = 0
+    locations: list[str] = field(default_factory=list)
+
+
+# -------------------------------------------------------------------------------------------- storage
+
+
+@message
+class StorageInfoRequest(Message):
+    KIND = "storage_info_request"
+
+
+@message
+class StorageInfo(Message):
+    """What an engine needs to map its node's buffer; `buffer_epoch` changes when the segment is recreated."""
+
+    KIND = "storage_info"
+    service_id: str
+    node: int
+    buffer_name: str
+    buffer_bytes: int
+    buffer_epoch: int
+
+
+@message
+class StorageReadRequest(Message):
+    """`storage.<node>.read`: read these Full Blocks into the node buffer and lease them to `request_id`."""
+
+    KIND = "storage_read"
+    request_id: str
+    fingerprint: str
+    block_hashes: list[int]
+    block_bytes: int
+    block_tokens: int = 0  # tokens per block, for the read queue in load reports
+    timeout_s: float = 30.0  # the service gives up (and frees the space) after this long
+    lease_s: float = 0.0  # how long the lease lives without a release; 0: the service default
+
+
+@message
+class StorageReadReply(Message):
+    """The first `num_blocks` requested blocks, verified, at `offset` of the node buffer.
+
+    `num_blocks` < requested when a block is missing or corrupt (`miss_reason`); 0 blocks: no lease.
+    """
+
+    KIND = "storage_read_reply"
+    request_id: str
+    lease_id: str
+    buffer_name: str
+    buffer_epoch: int
+    offset: int
+    num_blocks: int
+    block_bytes: int
+    lease_deadline_unix_s: float = 0.0
+    miss_reason: str = ""  # "" | missing | corrupt | foreign | buffer_limit
+
+
+@message
+class StorageWriteRequest(Message):
+    """`storage.<node>.write`: persist blocks the engine staged in its shared-memory segment."""
+
+    KIND = "storage_write"
+    request_id: str
+    fingerprint: str
+    segment_name: str
+    offsets: list[int]  # byte offset of each block in the segment
+    block_bytes: int
+    block_hashes: list[int]
+    parent_hashes: list[int]
+    block_tokens: int = 0
+    timeout_s: float = 30.0
+
+
+@message
+class StorageWriteReply(Message):
+    """Every block is durable (`fsync_policy`) and announced; `event_stream_seq` is its BlockStored event."""
+
+    KIND = "storage_write_reply"
+    request_id: str
+    num_written: int
+    num_existing: int
+    event_stream_seq: int = 0  # 0: nothing announced (all existed, or the event stream was unavailable)
+
+
+@message
+class StorageRelease(Message):
+    """Control: the engine is done with a lease (idempotent)."""
+
+    KIND = "storage_release"
+    lease_id: str
+
+
+@message
+class StorageCancel(Message):
+    """Control: stop the reads of `request_id` and release its leases (the client will not use them)."""
+
+    KIND = "storage_cancel"
+    request_id: str
+
+
+STORAGE_CONTROL_TYPES: tuple[type[Message], ...] = (StorageInfoRequest, StorageRelease, StorageCancel)

@@ -1,0 +1,146 @@
+"""The index core: numpy hash table, prefix match per tier/location, idempotent apply, snapshots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.index import snapshot
+from services.index.hash_table import U64Table
+from services.index.index import BlockIndex
+from shared.protocol.kv import BlockRemoved, BlockStored, Cleared
+
+_SEQ: dict[str, int] = {}
+
+
+def _next(source: str) -> int:
+    _SEQ[source] = _SEQ.get(source, 0) + 1
+    return _SEQ[source]
+
+
+def stored(hashes: list[int], location: str = "store", source: str = "s0", epoch: int = 1) -> BlockStored:
+    return BlockStored(source=source, epoch=epoch, seq=_next(source), location=location, block_hashes=hashes)
+
+
+def removed(hashes: list[int], location: str = "store", source: str = "s0") -> BlockRemoved:
+    return BlockRemoved(source=source, epoch=1, seq=_next(source), location=location, block_hashes=hashes)
+
+
+def test_hash_table_matches_a_dict_under_random_operations() -> None:
+    rng = np.random.default_rng(7)
+    table, ref = U64Table(), {}
+    universe = rng.integers(0, 2**64 - 1, size=5000, dtype=np.uint64, endpoint=True)
+    universe[:3] = [0, 1, 2**64 - 1]  # no reserved keys
+    for _ in range(200):
+        keys = rng.choice(universe, size=int(rng.integers(1, 300)))
+        bit = 1 << int(rng.integers(0, 64))
+        if rng.random() < 0.6:
+            table.or_values(keys, bit)
+            for k in keys.tolist():
+                ref[k] = ref.get(k, 0) | bit
+        else:
+            table.clear_bits(keys, bit)
+            for k in keys.tolist():
+                if k in ref:
+                    ref[k] &= ~bit
+                    if not ref[k]:
+                        del ref[k]
+    assert len(table) == len(ref)
+    assert table.get(universe).tolist() == [ref.get(k, 0) for k in universe.tolist()]
+    keys, values = table.items()
+    assert dict(zip(keys.tolist(), values.tolist(), strict=True)) == ref
+    assert table.num_live + table.num_tombstones <= table.capacity // 2
+
+
+def test_hash_table_grows_and_reuses_tombstones() -> None:
+    table = U64Table()
+    keys = np.arange(1, 100_001, dtype=np.uint64)
+    table.or_values(keys, 1)
+    assert len(table) == 100_000 and table.capacity >= 200_000
+    assert table.clear_bits(keys[:50_000], 1) == 50_000
+    capacity = table.capacity
+    table.or_values(keys[:50_000], 2)  # fills tombstones, no growth needed
+    assert table.capacity == capacity and len(table) == 100_000
+    assert table.get(keys[[0, 60_000]]).tolist() == [2, 1]
+    assert table.clear_bits_everywhere(1) == 50_000 and len(table) == 50_000
+
+
+def test_match_counts_leading_hits_per_tier_and_location() -> None:
+    index = BlockIndex()
+    index.apply(stored([10, 11, 12, 13]))
+    index.apply(stored([10, 11], location="hbm:e1", source="e1"))
+    index.apply(stored([10, 11, 12], location="hbm:e2", source="e2"))
+    index.apply(stored([99], location="dram:0", source="d0"))
+    out = index.match([10, 11, 12, 13, 14])
+    assert out.num_hit_blocks == 4
+    assert out.per_tier == {"store": 4, "hbm": 3}
+    assert out.per_location == {"store": 4, "hbm:e1": 2, "hbm:e2": 3}
+    # a hole ends the prefix even if later blocks are present
+    index.apply(removed([11]))
+    assert index.match([10, 11, 12, 13]).per_tier == {"store": 1, "hbm": 3}
+    assert index.match([77, 10]).num_hit_blocks == 0 and index.match([]).num_hit_blocks == 0
+    assert index.match(np.array([10], dtype=np.uint64)).per_location["hbm:e2"] == 1
+
+
+def test_duplicates_and_replays_are_ignored() -> None:
+    index = BlockIndex()
+    first = stored([1, 2, 3], source="dup")
+    index.apply(first, stream_seq=1)
+    rm = removed([2], source="dup")
+    assert index.apply(rm, stream_seq=2)
+    assert not index.apply(first, stream_seq=3)  # replayed: must not resurrect block 2
+    assert not index.apply(rm, stream_seq=4)
+    assert index.match([1, 2, 3]).num_hit_blocks == 1
+    assert (index.num_events_applied, index.num_events_ignored, index.applied_stream_seq) == (2, 2, 4)
+    # a restarted source (newer epoch) starts its seq again
+    assert index.apply(BlockStored(source="dup", epoch=2, seq=1, location="store", block_hashes=[2]))
+    assert index.match([1, 2, 3]).num_hit_blocks == 3
+    assert not index.apply(BlockStored(source="dup", epoch=1, seq=99, location="store", block_hashes=[7]))
+
+
+def test_cleared_drops_a_location_and_frees_its_bit() -> None:
+    index = BlockIndex()
+    index.apply(stored([1, 2], location="hbm:e1", source="e1"))
+    index.apply(stored([1], location="store"))
+    index.apply(Cleared(source="e1", epoch=1, seq=_next("e1"), locations=["hbm:e1", "hbm:unknown"]))
+    assert index.match([1, 2]).per_location == {"store": 1}
+    assert len(index) == 1 and index.live_locations() == ["store"]
+    index.apply(stored([5], location="cxl:pool0", source="c"))
+    assert index.locations[0] == "cxl:pool0"  # the freed bit is reused
+
+
+def test_location_limit_is_logged_not_fatal() -> None:
+    index = BlockIndex()
+    for i in range(64):
+        index.apply(stored([1000 + i], location=f"hbm:e{i}", source=f"e{i}"))
+    assert index.apply(stored([5], location="hbm:one-too-many", source="x"))
+    assert index.match([5]).num_hit_blocks == 0 and len(index) == 64
+
+
+def test_snapshot_round_trip(tmp_path: Path) -> None:
+    index = BlockIndex()
+    rng = np.random.default_rng(3)
+    hashes = rng.integers(0, 2**64 - 1, size=2000, dtype=np.uint64, endpoint=True).tolist()
+    index.apply(stored(hashes, source="a"), stream_seq=5)
+    index.apply(stored(hashes[:10], location="hbm:e1", source="e1"), stream_seq=6)
+    path = tmp_path / snapshot.SNAPSHOT_NAME
+    arrays, meta = index.snapshot()
+    assert snapshot.save(path, arrays, meta) > 2000 * 16
+    loaded = snapshot.load(path)
+    assert loaded is not None
+    again = BlockIndex.restore(*loaded)
+    assert again.applied_stream_seq == 6 and again.sources == index.sources and len(again) == 2000
+    assert again.match(hashes).per_location == {"store": 2000, "hbm:e1": 10}
+    assert not again.apply(_replay_of_last(index, "a"))  # the restored source state still dedupes
+    assert snapshot.load(tmp_path / "missing.npz") is None
+    path.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="unreadable"):
+        snapshot.load(path)
+
+
+def _replay_of_last(index: BlockIndex, source: str) -> BlockStored:
+    """The last event applied for `source`, as a stream replay would deliver it again."""
+    epoch, seq = index.sources[source]
+    return BlockStored(source=source, epoch=epoch, seq=seq, location="store", block_hashes=[1])
