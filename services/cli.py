@@ -18,9 +18,9 @@ import sys
 from collections.abc import Sequence
 
 # modules with `register(subparsers)` adding top-level subcommands
-_COMMAND_MODULES = ("services.launcher",)
+_COMMAND_MODULES = ("services.launcher", "gpu.commands")
 # modules with `register_bench(subparsers)` adding `kvpath bench <name>`
-_BENCH_MODULES: tuple[str, ...] = ()
+_BENCH_MODULES: tuple[str, ...] = ("gpu.commands",)
 # `kvpath serve <name>` runs `<module>.main(argv)`
 SERVICE_MODULES = {
     "router": "services.router.__main__",

@@ -1,0 +1,210 @@
+"""Attention over the paged cache: GQA (Llama, Qwen2) and MLA (DeepSeek-V2).
+
+Every layer first writes the new tokens' cache rows, then attends over the context read back from the cache,
+so KV supplied from outside (import_layer before the layer runs) and KV computed here are treated alike.
+Decode is one batched SDPA over block tables padded to the longest context (masked), with no per-sequence
+Python loop; prefill attends per sequence (different cached lengths, causal over the new tokens).
+
+MLA cache row = [normalized latent (kv_lora_rank) ; rope-applied key (qk_rope_head_dim)]. Decode and short
+prefill chunks use the absorbed form (query folded through W_UK, attention against the rows themselves as one
+shared key/value head, output unfolded through W_UV); long prefill chunks expand the latent per head instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gpu.arch_config import ArchConfig
+from gpu.batch import ForwardBatch, SeqSpan
+from gpu.layers import Linear, rms_norm
+from gpu.rope import apply_rotary
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kwargs: object) -> torch.Tensor:
+    """q [B, H, n, d], k [B, Hkv, S, d], v [B, Hkv, S, dv] -> [B, H, n, dv]."""
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa, **kwargs)  # type: ignore[arg-type]
+
+
+def _causal_mask(span: SeqSpan, device: torch.device) -> torch.Tensor:
+    q_pos = torch.arange(span.num_cached, span.context_len, device=device)
+    return torch.arange(span.context_len, device=device)[None, :] <= q_pos[:, None]
+
+
+class KVLayer:
+    """Layer `layer` of the paged cache as the attention code uses it. Reads go through index_select on the
+    [num_blocks * num_layers, block_size, kv_dim] view (one memcpy per Layer Block)."""
+
+    __slots__ = ("block_size", "by_layer_block", "flat", "layer", "num_layers")
+
+    def __init__(self, tensor: torch.Tensor, layer: int) -> None:
+        num_blocks, self.num_layers, self.block_size, kv_dim = tensor.shape
+        self.layer = layer
+        self.by_layer_block = tensor.view(num_blocks * self.num_layers, self.block_size, kv_dim)
+        self.flat = tensor.view(-1, kv_dim)
+
+    def write(self, batch: ForwardBatch, rows: torch.Tensor) -> None:
+        self.flat.index_copy_(0, batch.slot_rows + self.layer * self.block_size, rows)
+
+    def _gather(self, block_table: torch.Tensor) -> torch.Tensor:
+        return self.by_layer_block.index_select(0, block_table.flatten() * self.num_layers + self.layer)
+
+    def context(self, span: SeqSpan) -> torch.Tensor:
+        """[context_len, kv_dim] of one sequence (a gathered copy)."""
+        return self._gather(span.block_table).flatten(0, 1)[: span.context_len]
+
+    def padded_contexts(self, batch: ForwardBatch) -> torch.Tensor:
+        """[B, max_blocks * block_size, kv_dim] for decode (padding rows masked by batch.key_mask)."""
+        assert batch.block_tables is not None
+        return self._gather(batch.block_tables).view(batch.block_tables.shape[0], -1, self.flat.shape[1])
+
+
+class GqaAttention:
+    def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.scale = arch.softmax_scale
+        self.qkv = Linear.fused(weights, [prefix + n for n in ("q_proj", "k_proj", "v_proj")])
+        self.o_proj = Linear.fused(weights, [prefix + "o_proj"])
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVLayer) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x)
+        qk = apply_rotary(
+            qkv[:, : (heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim),
+            batch.cos,
+            batch.sin,
+            is_interleaved=False,
+        )
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, (heads + kv_heads) * head_dim :]
+        kv.write(batch, torch.cat((k.reshape(num_tokens, -1), v), dim=-1))
+        if batch.is_decode:
+            out = self._decode(q, batch, kv)
+        else:
+            out = torch.cat([self._prefill_one(q, k, v, span, kv) for span in batch.spans])
+        return self.o_proj(out)
+
+    def _split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows [..., S, kv_dim] -> K, V [..., Hkv, S, head_dim]."""
+        half = self.num_kv_heads * self.head_dim
+        shape = (*rows.shape[:-1], self.num_kv_heads, self.head_dim)
+        return rows[..., :half].view(shape).transpose(-3, -2), rows[..., half:].view(shape).transpose(-3, -2)
+
+    def _decode(self, q: torch.Tensor, batch: ForwardBatch, kv: KVLayer) -> torch.Tensor:
+        k, v = self._split(kv.padded_contexts(batch))
+        out = _sdpa(q[:, :, None, :], k, v, self.scale, attn_mask=batch.key_mask)
+        return out.reshape(q.shape[0], -1)
+
+    def _prefill_one(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: SeqSpan, kv: KVLayer
+    ) -> torch.Tensor:
+        q_span = q[span.start : span.start + span.num_new].transpose(0, 1)[None]
+        if span.num_cached == 0:  # everything is new: attend to the fresh K/V, plain causal
+            k_span = k[span.start : span.start + span.num_new].transpose(0, 1)[None]
+            v_span = v[span.start : span.start + span.num_new].view(span.num_new, self.num_kv_heads, -1)
+            out = _sdpa(q_span, k_span, v_span.transpose(0, 1)[None], self.scale, is_causal=True)
+        else:
+            k_ctx, v_ctx = self._split(kv.context(span))
+            mask = _causal_mask(span, q.device)
+            out = _sdpa(q_span, k_ctx[None], v_ctx[None], self.scale, attn_mask=mask)
+        return out[0].transpose(0, 1).reshape(span.num_new, -1)
+
+
+class MlaAttention:
+    # "auto" picks per sequence by cost; tests pin "absorbed" or "expanded" to check both against each other
+    prefill_mode = "auto"
+
+    def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
+        self.num_heads, self.rank, self.rope_dim = arch.num_heads, arch.kv_lora_rank, arch.qk_rope_head_dim
+        self.nope_dim, self.v_dim = arch.qk_nope_head_dim, arch.v_head_dim
+        self.eps, self.scale = arch.rms_norm_eps, arch.softmax_scale
+        self.has_q_lora = arch.q_lora_rank is not None
+        first = prefix + ("q_a_proj" if self.has_q_lora else "q_proj")
+        self.in_proj = Linear.fused(weights, [first, prefix + "kv_a_proj_with_mqa"])
+        self.q_split = arch.q_lora_rank or self.num_heads * (self.nope_dim + self.rope_dim)
+        if self.has_q_lora:
+            self.q_a_norm = weights[prefix + "q_a_layernorm.weight"]
+            self.q_b_proj = Linear.fused(weights, [prefix + "q_b_proj"])
+        self.kv_a_norm = weights[prefix + "kv_a_layernorm.weight"]
+        kv_b = weights.pop(prefix + "kv_b_proj.weight")
+        per_head = kv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
+        self.kv_b_weight = kv_b  # [H*(nope+v), rank] for the expanded form
+        self.w_uk = per_head[:, : self.nope_dim].contiguous()  # [H, nope, rank]
+        self.w_uv_t = per_head[:, self.nope_dim :].transpose(1, 2).contiguous()  # [H, rank, v]
+        self.o_proj = Linear.fused(weights, [prefix + "o_proj"])
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVLayer) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        projected = self.in_proj(x)
+        q = projected[:, : self.q_split]
+        if self.has_q_lora:
+            q = self.q_b_proj(rms_norm(q, self.q_a_norm, self.eps))
+        q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope = q[..., : self.nope_dim]
+        q_pe = apply_rotary(q[..., self.nope_dim :], batch.cos, batch.sin, is_interleaved=True)
+        latent = rms_norm(projected[:, self.q_split : self.q_split + self.rank], self.kv_a_norm, self.eps)
+        k_pe = projected[:, self.q_split + self.rank :].view(num_tokens, 1, self.rope_dim)
+        k_pe = apply_rotary(k_pe, batch.cos, batch.sin, is_interleaved=True)
+        kv.write(batch, torch.cat((latent, k_pe.view(num_tokens, self.rope_dim)), dim=-1))
+        if batch.is_decode:
+            out = self._decode(q_nope, q_pe, batch, kv)
+        else:
+            out = torch.cat([self._prefill_one(q_nope, q_pe, span, kv) for span in batch.spans])
+        return self.o_proj(out)
+
+    def _absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """[T, H, nope], [T, H, rope] -> absorbed queries [H, T, rank + rope]."""
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk)
+        return torch.cat((q_latent, q_pe.transpose(0, 1)), dim=-1)
+
+    def _unabsorb(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """[H, T, rank] -> [T, H * v]."""
+        return torch.bmm(out_latent, self.w_uv_t).transpose(0, 1).reshape(out_latent.shape[1], -1)
+
+    def _decode(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, kv: KVLayer
+    ) -> torch.Tensor:
+        query = self._absorb(q_nope, q_pe).transpose(0, 1)[:, :, None, :]  # [B, H, 1, rank + rope]
+        rows = kv.padded_contexts(batch)[:, None]  # [B, 1, S, rank + rope]: one shared head
+        out = _sdpa(query, rows, rows[..., : self.rank], self.scale, attn_mask=batch.key_mask)
+        return self._unabsorb(out[:, :, 0].transpose(0, 1))
+
+    def _is_absorbed_cheaper(self, span: SeqSpan) -> bool:
+        if self.prefill_mode != "auto":
+            return self.prefill_mode == "absorbed"
+        n, ctx, r = span.num_new, span.context_len, self.rank
+        expanded = ctx * r * (self.nope_dim + self.v_dim) + n * ctx * (
+            self.nope_dim + self.rope_dim + self.v_dim
+        )
+        absorbed = n * r * (self.nope_dim + self.v_dim) + n * ctx * (2 * r + self.rope_dim)
+        return absorbed < expanded
+
+    def _prefill_one(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, span: SeqSpan, kv: KVLayer
+    ) -> torch.Tensor:
+        rows = slice(span.start, span.start + span.num_new)
+        context = kv.context(span)  # [ctx, rank + rope]
+        mask = None if span.num_cached == 0 else _causal_mask(span, q_nope.device)
+        causal = {"is_causal": True} if mask is None else {"attn_mask": mask}
+        if self._is_absorbed_cheaper(span):
+            query = self._absorb(q_nope[rows], q_pe[rows])[None]
+            keys = context[None, None]
+            out = _sdpa(query, keys, keys[..., : self.rank], self.scale, **causal)
+            return self._unabsorb(out[0])
+        expanded = F.linear(context[:, : self.rank], self.kv_b_weight).view(
+            span.context_len, self.num_heads, self.nope_dim + self.v_dim
+        )
+        k_pe = context[:, None, self.rank :].expand(-1, self.num_heads, -1)
+        keys = torch.cat((expanded[..., : self.nope_dim], k_pe), dim=-1)
+        query = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)
+        values = expanded[..., self.nope_dim :]
+        out = _sdpa(
+            query.transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            self.scale,
+            **causal,
+        )
+        return out[0].transpose(0, 1).reshape(span.num_new, -1)

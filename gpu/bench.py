@@ -1,0 +1,192 @@
+"""`kvpath bench model`: prefill and decode tokens/s of the runtime next to transformers' generate.
+
+Both run the same HF folder, the same prompts (random token ids, fixed seed), the same number of new tokens,
+greedy, in one process with the same torch thread count. Measurements alternate between the two and each
+figure is the best of `repeats` runs, because this is usually a shared machine. Transformers' prefill is
+generate(max_new_tokens=1) and its decode time is generate(max_new_tokens=new+1) minus that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpu.kv_cache import TORCH_DTYPES
+from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq
+from gpu.sampling import SamplingOptions
+
+GREEDY = SamplingOptions(temperature=0.0)
+
+
+@dataclass(slots=True)
+class BenchRow:
+    model: str
+    batch_size: int
+    prompt_len: int
+    new_tokens: int
+    prefill_tok_s: float
+    decode_tok_s: float
+    hf_prefill_tok_s: float | None = None
+    hf_decode_tok_s: float | None = None
+
+    @property
+    def decode_speedup(self) -> float | None:
+        return None if not self.hf_decode_tok_s else self.decode_tok_s / self.hf_decode_tok_s
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    models: list[str]
+    batch_sizes: list[int]
+    prompt_len: int = 128
+    new_tokens: int = 32
+    repeats: int = 3
+    device: str = "cpu"
+    dtype: str | None = None
+    with_transformers: bool = True
+    cache_dir: str | None = None
+
+
+def prompts(batch_size: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
+    rng = np.random.default_rng(1234 + batch_size)
+    return rng.integers(0, min(vocab_size, 256), size=(batch_size, prompt_len)).tolist()
+
+
+async def time_runner(
+    runner: ModelRunner, token_ids: list[list[int]], new_tokens: int
+) -> tuple[float, float]:
+    """(prefill seconds, decode seconds for `new_tokens` steps) of one batch."""
+    prompt_len = len(token_ids[0])
+    blocks_each = math.ceil((prompt_len + new_tokens + 1) / runner.block_size)
+    seqs = [
+        PrefillSeq(f"b{i}", runner.kv.allocate(blocks_each), 0, ids, sampling=GREEDY)
+        for i, ids in enumerate(token_ids)
+    ]
+    try:
+        start = time.perf_counter()
+        tokens = await runner.prefill(seqs)
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for step in range(new_tokens):
+            batch = [
+                DecodeSeq(s.seq_id, s.block_ids, prompt_len + step, int(tokens[i] or 0), sampling=GREEDY)
+                for i, s in enumerate(seqs)
+            ]
+            tokens = list(await runner.decode(batch))
+        return prefill_s, time.perf_counter() - start
+    finally:
+        for s in seqs:
+            runner.kv.free(s.block_ids)
+
+
+def time_transformers(model: Any, token_ids: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    ids = torch.tensor(token_ids)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, **kwargs)
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens + 1, **kwargs)
+        total_s = time.perf_counter() - start
+    assert out.shape[1] == ids.shape[1] + new_tokens + 1, out.shape
+    return prefill_s, max(total_s - prefill_s, 1e-9)
+
+
+async def bench_model(name: str, config: BenchConfig) -> list[BenchRow]:
+    max_batch = max(config.batch_sizes)
+    runner = ModelRunner.load(
+        name,
+        device=config.device,
+        dtype=config.dtype,
+        cache_dir=config.cache_dir,
+        num_kv_blocks=max_batch * math.ceil((config.prompt_len + config.new_tokens + 1) / 64) + 8,
+    )
+    hf_model = _load_transformers(runner) if config.with_transformers else None
+    rows = []
+    try:
+        for batch_size in config.batch_sizes:
+            token_ids = prompts(batch_size, config.prompt_len, runner.spec.vocab_size)
+            await time_runner(runner, token_ids[:1], 2)  # warm-up
+            ours: list[tuple[float, float]] = []
+            theirs: list[tuple[float, float]] = []
+            for _ in range(config.repeats):  # alternate so load from other processes hits both alike
+                ours.append(await time_runner(runner, token_ids, config.new_tokens))
+                if hf_model is not None:
+                    theirs.append(time_transformers(hf_model, token_ids, config.new_tokens))
+            rows.append(_row(name, batch_size, config, ours, theirs))
+    finally:
+        runner.close()
+    return rows
+
+
+def _row(
+    name: str,
+    batch_size: int,
+    config: BenchConfig,
+    ours: list[tuple[float, float]],
+    theirs: list[tuple[float, float]],
+) -> BenchRow:
+    prefill_tokens, decode_tokens = batch_size * config.prompt_len, batch_size * config.new_tokens
+    row = BenchRow(
+        model=name,
+        batch_size=batch_size,
+        prompt_len=config.prompt_len,
+        new_tokens=config.new_tokens,
+        prefill_tok_s=prefill_tokens / min(p for p, _ in ours),
+        decode_tok_s=decode_tokens / min(d for _, d in ours),
+    )
+    if theirs:
+        row.hf_prefill_tok_s = prefill_tokens / min(p for p, _ in theirs)
+        row.hf_decode_tok_s = decode_tokens / min(d for _, d in theirs)
+    return row
+
+
+def _load_transformers(runner: ModelRunner) -> Any:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(runner.spec.model_dir, dtype=TORCH_DTYPES[runner.dtype])
+    model.generation_config.eos_token_id = None  # always generate exactly the asked number of tokens
+    return model.to(runner.device).eval()
+
+
+def run_bench(config: BenchConfig) -> list[BenchRow]:
+    rows: list[BenchRow] = []
+    for name in config.models:
+        rows.extend(asyncio.run(bench_model(name, config)))
+    return rows
+
+
+def format_table(rows: list[BenchRow]) -> str:
+    def num(value: float | None, fmt: str = ".0f") -> str:
+        return "-" if value is None else format(value, fmt)
+
+    header = (
+        f"{'model':<10} {'batch':>5} {'prefill tok/s':>14} {'hf prefill':>11} "
+        f"{'decode tok/s':>13} {'hf decode':>10} {'decode x':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r.model:<10} {r.batch_size:>5} {num(r.prefill_tok_s):>14} {num(r.hf_prefill_tok_s):>11} "
+            f"{num(r.decode_tok_s):>13} {num(r.hf_decode_tok_s):>10} {num(r.decode_speedup, '.2f'):>9}"
+        )
+    return "\n".join(lines)
+
+
+def rows_json(rows: list[BenchRow], config: BenchConfig) -> str:
+    payload = {
+        "config": asdict(config),
+        "torch_threads": torch.get_num_threads(),
+        "rows": [{**asdict(r), "decode_speedup": r.decode_speedup} for r in rows],
+    }
+    return json.dumps(payload, indent=2)

@@ -1,0 +1,144 @@
+"""CLI: `kvpath generate` (offline generation, the first smoke test of a checkpoint) and `kvpath bench model`.
+
+torch and transformers are imported inside the command functions so `kvpath --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from typing import Any
+
+from shared.errors import InvalidRequestError, KvpathError
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("generate", help="offline generation with the model runtime (smoke test)")
+    parser.add_argument("--model", required=True, help="embedded model (tiny, tiny-mla) or an HF folder")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    parser.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
+    parser.add_argument("--chat", action="store_true", help="send --prompt as a user chat message")
+    parser.add_argument("--temperature", type=float, default=None, help="temperature (default: greedy)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same tokens)")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    _add_runtime_args(parser)
+    parser.set_defaults(func=_generate_command)
+
+
+def register_bench(subparsers: Any) -> None:
+    parser = subparsers.add_parser("model", help="prefill/decode tokens/s next to transformers generate")
+    parser.add_argument("--models", default="tiny,tiny-mla", help="comma-separated models")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
+    parser.add_argument("--new-tokens", type=int, default=32, help="decode steps per sequence")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per figure (the best is reported)")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--json", dest="json_path", default=None, help="also write the results to this file")
+    _add_runtime_args(parser)
+    parser.set_defaults(func=_bench_command)
+
+
+def _add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default per device)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--cache-dir", default=None, help="embedded model cache dir")
+
+
+def _generate_command(args: argparse.Namespace) -> int:
+    try:
+        token_ids, text = asyncio.run(_generate(args))
+    except KvpathError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"token_ids": token_ids, "text": text}, ensure_ascii=False))
+    else:
+        print(text)
+    return 0
+
+
+def _sampling(args: argparse.Namespace) -> Any:
+    from gpu.sampling import SamplingOptions
+
+    if args.temperature is None and args.top_p is None and args.seed is None:
+        return SamplingOptions(temperature=0.0)
+    temperature = 1.0 if args.temperature is None else args.temperature
+    return SamplingOptions(
+        temperature=temperature, top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed
+    )
+
+
+def _prompt_ids(args: argparse.Namespace, runner: Any) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise InvalidRequestError(f"--prompt-ids must be integers: {args.prompt_ids!r}") from None
+    if args.chat:
+        return list(runner.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]))
+    return list(runner.tokenizer.encode(args.prompt))
+
+
+async def _generate(args: argparse.Namespace) -> tuple[list[int], str]:
+    from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq
+
+    runner = ModelRunner.load(
+        args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, num_threads=args.threads
+    )
+    try:
+        prompt = _prompt_ids(args, runner)
+        if not prompt:
+            raise InvalidRequestError("empty prompt")
+        max_tokens = min(args.max_tokens, runner.spec.max_model_len - len(prompt))
+        if max_tokens <= 0:
+            raise InvalidRequestError(f"prompt of {len(prompt)} tokens leaves no room in the context")
+        sampling = _sampling(args)
+        sampling.check()
+        blocks = runner.kv.allocate(math.ceil((len(prompt) + max_tokens) / runner.block_size))
+        stop_ids = () if args.ignore_eos else runner.tokenizer.eos_token_ids
+        generated: list[int] = []
+        token = (await runner.prefill([PrefillSeq("generate", blocks, 0, prompt, sampling=sampling)]))[0]
+        while token is not None:
+            generated.append(token)
+            if token in stop_ids or len(generated) >= max_tokens:
+                break
+            step = DecodeSeq("generate", blocks, len(prompt) + len(generated) - 1, token, sampling=sampling)
+            token = (await runner.decode([step]))[0]
+        return generated, runner.tokenizer.decode(generated)
+    finally:
+        runner.close()
+
+
+def _bench_command(args: argparse.Namespace) -> int:
+    import torch
+
+    from gpu.bench import BenchConfig, format_table, rows_json, run_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = BenchConfig(
+        models=[m for m in args.models.split(",") if m],
+        batch_sizes=[int(b) for b in args.batch_sizes.split(",") if b],
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        device=args.device,
+        dtype=args.dtype,
+        with_transformers=not args.no_transformers,
+        cache_dir=args.cache_dir,
+    )
+    rows = run_bench(config)
+    print(f"torch threads: {torch.get_num_threads()}, device: {config.device}, best of {config.repeats}")
+    print(format_table(rows))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            f.write(rows_json(rows, config))
+    return 0

@@ -1,0 +1,132 @@
+"""Paged KV cache: one tensor [num_blocks, num_layers, block_size, kv_dim] plus a free list.
+
+A Full Block (all layers of one block) and a Layer Block ([block_size, kv_dim] of one layer) are both
+contiguous, so export/import to storage buffers and the network never converts layouts: the byte image of
+block b is exactly `tensor[b]`. Copies go device <-> host in one call per run of consecutive block ids (one
+call in all for the CPU's index kernels), never per element.
+
+Ownership: the engine allocates a sequence's blocks, passes their ids in `PrefillSeq`/`DecodeSeq`, and frees
+them; the runner only reads and writes the blocks it is handed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from gpu.model_spec import dtype_bytes
+from shared.errors import OverloadedError
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PagedKVCache:
+    def __init__(
+        self, *, num_blocks: int, num_layers: int, block_size: int, kv_dim: int, dtype: str, device: str
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be > 0")
+        self.num_blocks = num_blocks
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.kv_dim = kv_dim
+        self.dtype = dtype
+        self.device = device
+        self.bytes_per_token_layer = kv_dim * dtype_bytes(dtype)
+        self.layer_block_bytes = block_size * self.bytes_per_token_layer
+        self.full_block_bytes = num_layers * self.layer_block_bytes
+        self.tensor = torch.zeros(
+            (num_blocks, num_layers, block_size, kv_dim), dtype=TORCH_DTYPES[dtype], device=device
+        )
+        self._free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._is_free = np.ones(num_blocks, dtype=bool)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_ids)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free_ids)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free_ids):
+            raise OverloadedError(f"KV cache full: {n} blocks wanted, {len(self._free_ids)} free")
+        block_ids = [self._free_ids.pop() for _ in range(n)]
+        self._is_free[block_ids] = False
+        return block_ids
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.size == 0:
+            return
+        if ids.min() < 0 or ids.max() >= self.num_blocks:
+            raise ValueError(f"block id out of range 0..{self.num_blocks - 1}: {list(block_ids)}")
+        if self._is_free[ids].any() or np.unique(ids).size != ids.size:
+            raise ValueError(f"double free of KV blocks {[b for b in block_ids if self._is_free[b]]}")
+        self._is_free[ids] = True
+        self._free_ids.extend(sorted(block_ids, reverse=True))
+
+    # ----------------------------------------------------------------------------------- export / import
+
+    def export_blocks(self, block_ids: Sequence[int], out: np.ndarray) -> None:
+        """Copy Full Blocks into `out`: uint8 [n, num_layers, block_size, bytes_per_token_layer]."""
+        shape = (len(block_ids), self.num_layers, self.block_size, self.bytes_per_token_layer)
+        self._copy_out(self.tensor, block_ids, self._host_view(out, shape, "out"))
+
+    def import_blocks(self, block_ids: Sequence[int], src: np.ndarray) -> None:
+        """Inverse of export_blocks."""
+        shape = (len(block_ids), self.num_layers, self.block_size, self.bytes_per_token_layer)
+        self._copy_in(self.tensor, block_ids, self._host_view(src, shape, "src"))
+
+    def export_layer(self, block_ids: Sequence[int], layer: int, out: np.ndarray) -> None:
+        """Copy layer `layer` of the blocks into `out`: uint8 [n, block_size, bytes_per_token_layer]
+        (may be a strided view, e.g. layer `layer` of Full Blocks in a staging buffer)."""
+        shape = (len(block_ids), self.block_size, self.bytes_per_token_layer)
+        self._copy_out(self.tensor[:, layer], block_ids, self._host_view(out, shape, "out"))
+
+    def import_layer(self, block_ids: Sequence[int], layer: int, src: np.ndarray) -> None:
+        shape = (len(block_ids), self.block_size, self.bytes_per_token_layer)
+        self._copy_in(self.tensor[:, layer], block_ids, self._host_view(src, shape, "src"))
+
+    def _host_view(self, array: np.ndarray, shape: tuple[int, ...], what: str) -> torch.Tensor:
+        """A torch view (no copy) of a uint8 host array, reinterpreted in the cache dtype."""
+        if array.dtype != np.uint8 or array.shape != shape:
+            raise ValueError(f"{what} must be uint8 {list(shape)}, got {array.dtype} {list(array.shape)}")
+        if array.strides[-1] != 1 or array.strides[-2] != shape[-1]:
+            raise ValueError(f"{what}: each Layer Block must be contiguous (strides {array.strides})")
+        if not array.flags.writeable:  # a read-only source (import): torch warns, but we only read it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(array).view(self.tensor.dtype)
+        return torch.from_numpy(array).view(self.tensor.dtype)
+
+    def _copy_out(self, source: torch.Tensor, block_ids: Sequence[int], host: torch.Tensor) -> None:
+        if not block_ids:
+            return
+        if source.device.type == "cpu":
+            index = torch.as_tensor(block_ids, dtype=torch.long)
+            torch.index_select(source, 0, index, out=host)
+            return
+        for start, end, first in _runs(block_ids):  # device -> host straight into `host`, no staging copy
+            host[start:end].copy_(source[first : first + end - start])
+
+    def _copy_in(self, target: torch.Tensor, block_ids: Sequence[int], host: torch.Tensor) -> None:
+        if not block_ids:
+            return
+        if target.device.type == "cpu":
+            target.index_copy_(0, torch.as_tensor(block_ids, dtype=torch.long), host)
+            return
+        for start, end, first in _runs(block_ids):
+            target[first : first + end - start].copy_(host[start:end], non_blocking=False)
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive ids: (start index, end index, first id)."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [ids.size]))
+    return [(int(s), int(e), int(ids[s])) for s, e in zip(starts, ends, strict=True)]

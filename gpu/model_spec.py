@@ -1,0 +1,117 @@
+"""What the rest of kvpath needs to know about a model, without loading it (and without importing torch).
+
+The router resolves a served model name to a `ModelSpec` for context limits, KV geometry and the fingerprint
+that salts block hashes; engines load the same directory into a `gpu.runner.ModelRunner`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpu.arch_config import ArchConfig, load_arch_config
+from shared.errors import ConfigError, ModelNotFoundError
+
+EMBEDDED_MODELS: tuple[str, ...] = ("tiny", "tiny-mla")
+CACHE_ENV = "KVPATH_MODEL_CACHE"
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str  # served model name: "tiny", "tiny-mla", or the directory's basename
+    model_dir: str
+    architecture: str  # "LlamaForCausalLM" | "Qwen2ForCausalLM" | "DeepseekV2ForCausalLM"
+    attention: str  # "gqa" | "mla"
+    num_layers: int
+    vocab_size: int
+    max_model_len: int  # max_position_embeddings (context limit)
+    kv_dim: int  # cache elements per token per layer (GQA: K then V; MLA: latent then rope key)
+    eos_token_ids: tuple[int, ...]
+    # geometry beyond the interface's minimum (defaults keep hand-built specs in tests valid)
+    hidden_size: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0  # GQA head_dim; MLA qk_nope_head_dim + qk_rope_head_dim
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+
+    def kv_bytes_per_token_layer(self, dtype: str) -> int:
+        return self.kv_dim * dtype_bytes(dtype)
+
+    def fingerprint(self, dtype: str, block_size: int) -> str:
+        """Stable text that changes whenever cached KV of this model would not be interchangeable."""
+        dtype_bytes(dtype)
+        return (
+            f"kvpath-kv-v1;model={self.name};arch={self.architecture};attn={self.attention};"
+            f"layers={self.num_layers};kv_dim={self.kv_dim};hidden={self.hidden_size};heads={self.num_heads};"
+            f"kv_heads={self.num_kv_heads};head_dim={self.head_dim};kv_lora_rank={self.kv_lora_rank};"
+            f"rope_dim={self.qk_rope_head_dim};dtype={dtype};block_size={block_size}"
+        )
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ConfigError(
+            f"unsupported dtype {dtype!r}; one of {', '.join(DTYPE_BYTES)}", param="dtype"
+        ) from None
+
+
+def default_dtype(device: str) -> str:
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "kvpath" / "models"
+
+
+def resolve_model(name_or_dir: str, cache_dir: str | None = None) -> Path:
+    """The model's HF folder: an embedded model (written on first use into the cache dir) or a directory."""
+    if name_or_dir in EMBEDDED_MODELS:
+        from gpu.embedded import materialize
+
+        return materialize(name_or_dir, Path(cache_dir) if cache_dir else default_cache_dir())
+    path = Path(name_or_dir).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path.resolve()
+    raise ModelNotFoundError(
+        f"model {name_or_dir!r} not found: not one of the embedded models ({', '.join(EMBEDDED_MODELS)}) "
+        "and not a directory with a config.json",
+        param="model",
+    )
+
+
+def served_name(name_or_dir: str) -> str:
+    if name_or_dir in EMBEDDED_MODELS:
+        return name_or_dir
+    return Path(name_or_dir).expanduser().resolve().name
+
+
+def load_model_spec(name_or_dir: str, cache_dir: str | None = None) -> ModelSpec:
+    model_dir = resolve_model(name_or_dir, cache_dir)
+    return spec_from_arch(served_name(name_or_dir), model_dir, load_arch_config(model_dir))
+
+
+def spec_from_arch(name: str, model_dir: Path, arch: ArchConfig) -> ModelSpec:
+    is_mla = arch.attention == "mla"
+    return ModelSpec(
+        name=name,
+        model_dir=str(model_dir),
+        architecture=arch.architecture,
+        attention=arch.attention,
+        num_layers=arch.num_layers,
+        vocab_size=arch.vocab_size,
+        max_model_len=arch.max_position_embeddings,
+        kv_dim=arch.kv_dim,
+        eos_token_ids=arch.eos_token_ids,
+        hidden_size=arch.hidden_size,
+        num_heads=arch.num_heads,
+        num_kv_heads=1 if is_mla else arch.num_kv_heads,
+        head_dim=arch.qk_nope_head_dim + arch.qk_rope_head_dim if is_mla else arch.head_dim,
+        kv_lora_rank=arch.kv_lora_rank,
+        qk_rope_head_dim=arch.qk_rope_head_dim,
+    )

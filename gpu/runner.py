@@ -1,0 +1,246 @@
+"""ModelRunner: the engine-facing API over the model, the paged KV cache, the tokenizer and the sampler.
+
+All compute runs in the runner's single worker thread, never on the event loop. Prefill without a hook is one
+thread hop; with a `LayerHook` it goes layer by layer: await `before_layer(l)` on the loop (the caller copies
+layer l's cached KV into the cache there, maybe waiting for the network), compute layer l in the thread,
+await `after_layer(l)` (the caller exports/streams the layer's KV). The runner never allocates or frees KV
+blocks: the caller owns block tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from gpu.arch_config import ArchConfig, load_arch_config
+from gpu.batch import CacheGeometry, ForwardBatch, build_decode_batch, build_prefill_batch
+from gpu.kv_cache import TORCH_DTYPES, PagedKVCache
+from gpu.model import Transformer
+from gpu.model_spec import ModelSpec, default_dtype, dtype_bytes, resolve_model, served_name, spec_from_arch
+from gpu.sampling import Sampler, SampleRequest, SamplingOptions
+from gpu.tokenizer import Tokenizer, load_tokenizer
+from shared.errors import ConfigError, InvalidRequestError
+
+__all__ = ["DecodeSeq", "LayerHook", "ModelRunner", "PrefillSeq", "SamplingOptions"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+DEFAULT_CPU_KV_BYTES = 256 << 20
+CUDA_KV_FRACTION = 0.5  # of the memory still free after loading the weights
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    seq_id: str
+    block_ids: list[int]  # block table covering num_cached_tokens + len(token_ids) (allocated by caller)
+    num_cached_tokens: int  # tokens whose KV is already in the cache OR supplied by the hook per layer
+    token_ids: list[int]  # new tokens computed in this call (a chunk = a prefix of what remains)
+    sample: bool = True  # False for a non-final chunk: no token sampled
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    banned_token_ids: list[int] = field(default_factory=list)  # logits -inf (min_tokens suppresses EOS/stops)
+
+
+@dataclass(slots=True)
+class DecodeSeq:
+    seq_id: str
+    block_ids: list[int]  # must have room for position num_cached_tokens
+    num_cached_tokens: int  # context length before this token; its KV is written at this position
+    token_id: int  # the last sampled token, fed as input
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    banned_token_ids: list[int] = field(default_factory=list)
+
+
+class LayerHook:
+    """Per-layer seam of layerwise prefill. Both methods are awaited on the event loop, once per layer and
+    prefill call, in layer order; they must not run model compute, and may read/write only the KV of the
+    blocks of `seqs` (via runner.kv) for layer `layer`."""
+
+    async def before_layer(self, layer: int, seqs: Sequence[PrefillSeq]) -> None:
+        """Right before layer `layer` computes: supply that layer's cached KV (kv.import_layer)."""
+
+    async def after_layer(self, layer: int, seqs: Sequence[PrefillSeq]) -> None:
+        """Right after layer `layer` wrote the new tokens' KV into the cache: export/stream it if wanted."""
+
+
+class ModelRunner:
+    def __init__(
+        self, spec: ModelSpec, arch: ArchConfig, model: Transformer, kv: PagedKVCache, tokenizer: Tokenizer
+    ) -> None:
+        self.spec = spec
+        self.arch = arch
+        self.model = model
+        self.kv = kv
+        self.tokenizer = tokenizer
+        self.device = kv.device
+        self.dtype = kv.dtype
+        self.block_size = kv.block_size
+        self._geometry = CacheGeometry(
+            arch.num_layers, kv.block_size, kv.num_blocks, arch.vocab_size, arch.max_position_embeddings
+        )
+        self._sampler = Sampler()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpath-model")
+
+    @classmethod
+    def load(
+        cls,
+        name_or_dir: str,
+        *,
+        device: str = "cpu",
+        dtype: str | None = None,
+        block_size: int = 64,
+        num_kv_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        cache_dir: str | None = None,
+        num_threads: int | None = None,
+    ) -> ModelRunner:
+        """Load weights and tokenizer, and allocate the paged cache (`num_kv_blocks`, or as many blocks as
+        fit in `kv_cache_bytes`, or a default: 256 MiB on CPU, half the free GPU memory on CUDA)."""
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} requested but CUDA is not available", param="device")
+        dtype = dtype or default_dtype(device)
+        dtype_bytes(dtype)
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        model_dir = resolve_model(name_or_dir, cache_dir)
+        arch = load_arch_config(model_dir)
+        spec = spec_from_arch(served_name(name_or_dir), model_dir, arch)
+        model = Transformer.load(model_dir, arch, device=device, dtype=TORCH_DTYPES[dtype])
+        full_block_bytes = arch.num_layers * block_size * spec.kv_bytes_per_token_layer(dtype)
+        num_blocks = num_kv_blocks or _default_num_blocks(device, kv_cache_bytes, full_block_bytes)
+        kv = PagedKVCache(
+            num_blocks=num_blocks,
+            num_layers=arch.num_layers,
+            block_size=block_size,
+            kv_dim=arch.kv_dim,
+            dtype=dtype,
+            device=device,
+        )
+        log.info("loaded model=%s device=%s dtype=%s kv_blocks=%d", spec.name, device, dtype, num_blocks)
+        return cls(spec, arch, model, kv, load_tokenizer(model_dir))
+
+    # ------------------------------------------------------------------------------------------ prefill
+
+    async def prefill(self, seqs: Sequence[PrefillSeq], hook: LayerHook | None = None) -> list[int | None]:
+        """Compute the new tokens' KV (written into the cache) and sample where `sample` is set."""
+        requests = [_request(s) if s.sample else None for s in seqs]
+        for request in requests:
+            if request is not None:
+                request.options.check()
+
+        def sample(logits: torch.Tensor) -> list[int | None]:
+            wanted = [i for i, r in enumerate(requests) if r is not None]
+            out: list[int | None] = [None] * len(seqs)
+            if wanted:
+                tokens = self._sampler.sample(logits[wanted], [r for r in requests if r is not None])
+                for i, token in zip(wanted, tokens, strict=True):
+                    out[i] = token
+            return out
+
+        return await self._prefill(seqs, hook, all_tokens=False, finish=sample)
+
+    async def prefill_logits(
+        self, seqs: Sequence[PrefillSeq], hook: LayerHook | None = None, *, all_tokens: bool = False
+    ) -> torch.Tensor:
+        """fp32 logits on the CPU: of each sequence's last new token [n_seqs, V], or of every new token
+        (flattened in order) [sum(len(token_ids)), V] when `all_tokens`."""
+        return await self._prefill(seqs, hook, all_tokens=all_tokens, finish=lambda logits: logits.cpu())
+
+    async def _prefill(
+        self,
+        seqs: Sequence[PrefillSeq],
+        hook: LayerHook | None,
+        *,
+        all_tokens: bool,
+        finish: Callable[[torch.Tensor], T],
+    ) -> T:
+        if not seqs:
+            raise InvalidRequestError("prefill of an empty batch")
+        plan = [(s.block_ids, s.num_cached_tokens, s.token_ids) for s in seqs]
+        build = functools.partial(
+            build_prefill_batch,
+            self._geometry,
+            self.model.rotary,
+            plan,
+            all_logits=all_tokens,
+            device=self.model.device,
+        )
+        if hook is None:  # one thread hop for the whole forward
+            return await self._call(lambda: finish(self.model.forward(build(), self.kv.tensor)))
+        batch: ForwardBatch = await self._call(build)
+        hidden = await self._call(self.model.embed, batch)
+        for layer in range(self.arch.num_layers):
+            await hook.before_layer(layer, seqs)
+            hidden = await self._call(self._layer_synced, layer, hidden, batch)
+            await hook.after_layer(layer, seqs)
+        return await self._call(lambda: finish(self.model.logits(hidden, batch)))
+
+    def _layer_synced(self, layer: int, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model.layer(layer, hidden, batch, self.kv.tensor)
+        if self.model.device.type == "cuda":  # after_layer may hand the layer's KV to another stream/process
+            torch.cuda.synchronize(self.model.device)
+        return hidden
+
+    # ------------------------------------------------------------------------------------------- decode
+
+    async def decode(self, seqs: Sequence[DecodeSeq]) -> list[int]:
+        """One step for many sequences of different lengths; writes each new token's KV."""
+        requests = [_request(s) for s in seqs]
+        for request in requests:
+            request.options.check()
+        return await self._call(lambda: self._sampler.sample(self._decode_logits(seqs), requests))
+
+    async def decode_logits(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
+        """fp32 logits [B, V] on the CPU of one decode step (KV written as by decode)."""
+        return (await self._call(self._decode_logits, seqs)).cpu()
+
+    def _decode_logits(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
+        if not seqs:
+            raise InvalidRequestError("decode of an empty batch")
+        plan = [(s.block_ids, s.num_cached_tokens, s.token_id) for s in seqs]
+        batch = build_decode_batch(self._geometry, self.model.rotary, plan, device=self.model.device)
+        return self.model.forward(batch, self.kv.tensor)
+
+    # ---------------------------------------------------------------------------------------- lifecycle
+
+    def release(self, seq_id: str) -> None:
+        """Drop per-request sampling state (its seeded generator)."""
+        self._sampler.release(seq_id)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(_in_inference_mode, fn, *args))
+
+
+def _in_inference_mode(fn: Callable[..., T], *args: Any) -> T:
+    with torch.inference_mode():
+        return fn(*args)
+
+
+def _request(seq: PrefillSeq | DecodeSeq) -> SampleRequest:
+    return SampleRequest(seq.seq_id, seq.sampling, seq.banned_token_ids)
+
+
+def _default_num_blocks(device: str, kv_cache_bytes: int | None, full_block_bytes: int) -> int:
+    if kv_cache_bytes is None:
+        if device.startswith("cuda"):
+            free_bytes, _ = torch.cuda.mem_get_info(torch.device(device))
+            kv_cache_bytes = int(free_bytes * CUDA_KV_FRACTION)
+        else:
+            kv_cache_bytes = DEFAULT_CPU_KV_BYTES
+    num_blocks = kv_cache_bytes // full_block_bytes
+    if num_blocks < 1:
+        raise ConfigError(
+            f"kv_cache_bytes={kv_cache_bytes} holds no block of {full_block_bytes} bytes",
+            param="kv_cache_bytes",
+        )
+    return num_blocks

@@ -1,0 +1,147 @@
+"""Tokenizer: HF `tokenizers` (tokenizer.json) plus the checkpoint's chat template. No torch.
+
+Used by the router (chat templates, prompt token ids) and by engines (streaming detokenization).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gpu import chat_template
+from gpu.arch_config import read_json
+from gpu.errors import CheckpointError
+from shared.errors import InvalidRequestError
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """Encode/decode with one checkpoint's tokenizer. Thread-safe (the Rust tokenizer is)."""
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        *,
+        tokenizer_config: dict[str, Any],
+        template: str | None,
+        extra_eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self._hf = hf_tokenizer
+        self.vocab_size: int = hf_tokenizer.get_vocab_size(with_added_tokens=True)
+        self._special = {
+            key: _token_text(tokenizer_config.get(key))
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+        }
+        self.bos_token_id = self._token_id(self._special["bos_token"])
+        self._add_bos: bool | None = tokenizer_config.get("add_bos_token")
+        eos_ids = list(extra_eos_token_ids)
+        eos_id = self._token_id(self._special["eos_token"])
+        if eos_id is not None and eos_id not in eos_ids:
+            eos_ids.append(eos_id)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_ids)
+        self.chat_template = template
+
+    def _token_id(self, text: str | None) -> int | None:
+        return None if text is None else self._hf.token_to_id(text)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a raw completion prompt, BOS included when the tokenizer's config asks for it."""
+        if self._add_bos is None:
+            return list(self._hf.encode(text, add_special_tokens=True).ids)
+        ids = list(self._hf.encode(text, add_special_tokens=False).ids)
+        if self._add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Render `messages` with the chat template and encode the result (the template adds BOS itself)."""
+        if self.chat_template is None:
+            raise InvalidRequestError(
+                "this model has no chat template; use the completions API", param="messages"
+            )
+        normalized = chat_template.normalize_messages(messages)
+        special = {k: v or "" for k, v in self._special.items()}
+        text = chat_template.render(
+            self.chat_template, normalized, add_generation_prompt=add_generation_prompt, **special
+        )
+        return list(self._hf.encode(text, add_special_tokens=False).ids)
+
+    def incremental_decoder(self, *, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDecoder:
+    """Streams text token by token. Decodes a short window of already-emitted tokens together with the new
+    ones so that tokenizers whose pieces depend on their left neighbour (leading spaces) come out right, and
+    holds back text that ends in an incomplete UTF-8 character."""
+
+    __slots__ = ("_ids", "_prefix_offset", "_read_offset", "_skip_special", "_tokenizer")
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # start of the context window (already emitted)
+        self._read_offset = 0  # end of what has been emitted
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """New text since the last push ("" while a multi-byte character is incomplete)."""
+        self._ids.extend(token_ids)
+        return self._emit(is_final=False)
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character decodes as U+FFFD)."""
+        return self._emit(is_final=True)
+
+    def _emit(self, *, is_final: bool) -> str:
+        decode = self._tokenizer.decode
+        prefix = decode(
+            self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip_special
+        )
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip_special)
+        if len(full) <= len(prefix) or (full.endswith(REPLACEMENT_CHAR) and not is_final):
+            if is_final:
+                self._advance()
+            return ""
+        self._advance()
+        return full[len(prefix) :]
+
+    def _advance(self) -> None:
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        if self._prefix_offset > 0:  # keep only the context window
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from gpu.arch_config import load_arch_config
+
+    model_dir = Path(model_dir)
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir}: no tokenizer.json (only fast tokenizers are supported)")
+    try:
+        hf = HFTokenizer.from_file(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot load tokenizer: {exc}") from exc
+    config_path = model_dir / "tokenizer_config.json"
+    tok_config = read_json(config_path) if config_path.is_file() else {}
+    template = chat_template.find_chat_template(model_dir, tok_config)
+    eos_ids = load_arch_config(model_dir).eos_token_ids if (model_dir / "config.json").is_file() else ()
+    return Tokenizer(hf, tokenizer_config=tok_config, template=template, extra_eos_token_ids=eos_ids)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # serialized AddedToken
+        value = value.get("content")
+    return value if isinstance(value, str) else None
