@@ -55,7 +55,7 @@ def test_views_are_views_not_copies(kind: str) -> None:
     assert flat[384 + 2 * 192 - 1] == 7
     layer = layer_view(view, 1)
     assert layer.shape == (2, 4, 16) and is_view_of(layer, backing)
-    assert not layer.flags.c_contiguous and layer[0].flags.c_contiguous  # strided, each Layer Block contiguous
+    assert not layer.flags.c_contiguous and layer[0].flags.c_contiguous  # strided; Layer Blocks contiguous
     layer[0] = 9
     assert (flat[384 + 64 : 384 + 128] == 9).all() and flat[384 + 63] == 0 and flat[384 + 128] == 0
 

@@ -56,11 +56,15 @@ def test_incremental_form_equals_batch_form() -> None:
 
 
 def test_fingerprints_salt_the_chain() -> None:
-    other = model_fingerprint("llama", dtype="bfloat16", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+    other = model_fingerprint(
+        "llama", dtype="bfloat16", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8
+    )
     tokens = list(range(8))
     assert set(block_hashes(tokens, 4, FP)).isdisjoint(block_hashes(tokens, 4, other))
     # keyword order does not matter
-    assert FP == model_fingerprint("llama", block_size=4, head_dim=8, num_kv_heads=2, num_layers=2, dtype="float32")
+    assert FP == model_fingerprint(
+        "llama", block_size=4, head_dim=8, num_kv_heads=2, num_layers=2, dtype="float32"
+    )
 
 
 def test_bad_input_is_rejected() -> None:
@@ -83,5 +87,7 @@ def test_same_hashes_in_another_process() -> None:
         f"print(json.dumps(block_hashes(list(range(1000, 1000 + 64 * 5)), 64, {FP!r})))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}  # str hashing differs; block hashes must not
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60, env=env
+    )
     assert json.loads(out.stdout) == block_hashes(tokens, 64, FP)

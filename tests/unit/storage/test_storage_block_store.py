@@ -1,4 +1,4 @@
-"""Block files: header, atomic writes, verified reads; torn, truncated, foreign and rotten files are misses."""
+"""Block files: header, atomic writes, verified reads; torn, truncated, foreign, rotten files are misses."""
 
 from __future__ import annotations
 

@@ -1,0 +1,163 @@
+"""Storage limits for real: bandwidth budget, read queue in load reports, cancel, leases, capacity."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from services.index.config import IndexConfig
+from services.index.service import IndexService
+from shared.blocks import BlockLayout
+from shared.bus import MsgContext
+from shared.errors import AbortedError, StorageError
+from shared.hashing import block_hashes, block_parents, fingerprint_seed
+from shared.kvclient import IndexClient
+from shared.protocol import Abort, LoadReport
+from shared.protocol.kv import BlockRemoved
+from tests.integration.storage.storage_harness import (
+    FP,
+    LAYOUT,
+    StorageCluster,
+    chain,
+    stream_events,
+    wait_for,
+    write_blocks,
+)
+
+BIG = BlockLayout(num_layers=4, block_size=16, bytes_per_token_layer=1024)  # 64 KiB Full Blocks
+
+
+def _big_chain(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    hashes = block_hashes([seed * 100_000 + i for i in range(n * BIG.block_size)], BIG.block_size, FP)
+    return hashes, block_parents(hashes, FP)
+
+
+async def test_bandwidth_budget_holds_and_load_reports_the_queue(cluster: StorageCluster) -> None:
+    rate = 8e6  # bytes/s
+    node = await cluster.start(layout=BIG, bandwidth_bytes_per_s=rate, buffer_bytes=32 << 20)
+    chains = [_big_chain(40, seed) for seed in range(4)]  # 160 blocks, 10.5 MB: ~1.3 s at the budget
+    for hashes, parents in chains:
+        await write_blocks(node.client, hashes, parents)
+    reports: list[LoadReport] = []
+
+    async def on_report(msg: LoadReport, ctx: MsgContext) -> None:
+        reports.append(msg)
+
+    bus = node.client.bus
+    await bus.subscribe(bus.subjects.load("storage", node.service.service_id), LoadReport, on_report)
+    await bus.flush()
+    started = time.monotonic()
+    leases = await asyncio.gather(
+        *(node.client.read(f"bw-{i}", hashes, deadline_s=30.0) for i, (hashes, _) in enumerate(chains))
+    )
+    elapsed = time.monotonic() - started
+    total = sum(lease.num_blocks for lease in leases) * BIG.full_block_bytes
+    assert total == 160 * BIG.full_block_bytes and elapsed >= 1.0
+    assert total / elapsed == pytest.approx(rate, rel=0.10)
+    busy = [r for r in reports if r.read_queue_bytes > 0]
+    assert busy and max(r.read_queue_tokens for r in busy) >= 40 * BIG.block_size
+    assert all(r.role == "storage" and r.node == 0 for r in reports)
+    for lease in leases:
+        await lease.release()
+    await wait_for(lambda: bool(reports) and reports[-1].read_queue_bytes == 0, 3.0, "an idle load report")
+
+
+async def test_cancel_and_abort_free_the_buffer(cluster: StorageCluster) -> None:
+    node = await cluster.start(layout=BIG, bandwidth_bytes_per_s=1e6, buffer_bytes=32 << 20)
+    hashes, parents = _big_chain(60)  # 60 s at this budget: only a cancel ends it
+    await write_blocks(node.client, hashes, parents)
+    reader = node.service.reader
+    read = asyncio.create_task(node.client.read("slow", hashes, deadline_s=60.0))
+    await wait_for(lambda: reader.allocator.used_bytes > 0, 5.0, "the read to start")
+    await node.client.cancel("slow")
+    with pytest.raises(AbortedError):
+        await read
+    await wait_for(lambda: reader.allocator.used_bytes == 0 and reader.num_pending == 0, 5.0, "space freed")
+    # the same through the shared abort subject
+    read = asyncio.create_task(node.client.read("slow-2", hashes, deadline_s=60.0))
+    await wait_for(lambda: reader.allocator.used_bytes > 0, 5.0, "the second read to start")
+    await node.client.bus.publish(node.client.bus.subjects.abort, Abort(request_id="slow-2", reason="test"))
+    with pytest.raises(AbortedError):
+        await read
+    await wait_for(lambda: reader.allocator.used_bytes == 0, 5.0, "space freed after abort")
+
+
+async def test_lease_expiry_reclaims_space_and_waiting_reads_get_it(cluster: StorageCluster) -> None:
+    # the buffer holds 4 blocks of 16 KiB: a second read must wait for the first lease to go
+    node = await cluster.start(buffer_bytes=4 * LAYOUT.full_block_bytes)
+    hashes, parents = chain(4)
+    await write_blocks(node.client, hashes, parents)
+    held = await node.client.read("holder", hashes, deadline_s=5.0, lease_s=0.5)
+    assert held.num_blocks == 4
+    started = time.monotonic()
+    second = await node.client.read("waiter", hashes, deadline_s=10.0)  # the holder never releases
+    assert second.num_blocks == 4 and time.monotonic() - started >= 0.3
+    assert len(node.service.reader.leases) == 1
+    await second.release()
+    # more blocks than the buffer can ever hold: the leading blocks that fit
+    more, more_parents = chain(6, seed=9)
+    await write_blocks(node.client, more, more_parents)
+    capped = await node.client.read("capped", more, deadline_s=5.0)
+    assert capped.num_blocks == 4 and capped.miss_reason == "buffer_limit"
+    await capped.release()
+
+
+async def test_lru_eviction_is_announced_and_the_index_forgets(cluster: StorageCluster) -> None:
+    file_bytes = LAYOUT.full_block_bytes + 64
+    node = await cluster.start(capacity_bytes=3 * file_bytes)
+    index = IndexService(
+        IndexConfig(nats_url=cluster.server.url, namespace=cluster.namespace, fetch_wait_s=0.1)
+    )
+    await index.start()
+    try:
+        client, index_client = node.client, IndexClient(node.client.bus)
+        hashes, parents = chain(5)
+        for i in range(3):
+            await write_blocks(client, hashes[i : i + 1], parents[i : i + 1])
+        lease = await client.read("touch", hashes[:1], deadline_s=5.0)  # block 0 becomes most recent
+        await lease.release()
+        result = await client.write(client.stage(2), hashes[3:5], parents[3:5])
+        await index_client.wait_applied(result.event_stream_seq, timeout_s=5.0)
+        store = node.service.store
+        present = [store.path_for(fingerprint_seed(FP), h).exists() for h in hashes]
+        assert present == [True, False, False, True, True]  # blocks 1 and 2 were least recently used
+        removed = [e for e in await stream_events(client.bus) if isinstance(e, BlockRemoved)]
+        assert sorted(h for e in removed for h in e.block_hashes) == sorted(hashes[1:3])
+        assert all(e.reason == "evicted" for e in removed)
+        assert (await index_client.match(hashes[:1])).num_hit_blocks == 1
+        assert (await index_client.match(hashes[1:])).num_hit_blocks == 0  # forgotten
+        assert (await index_client.match(hashes[3:])).per_tier == {"store": 2}
+    finally:
+        await index.stop()
+
+
+async def test_capacity_survives_a_restart(cluster: StorageCluster, tmp_path: Path) -> None:
+    file_bytes = LAYOUT.full_block_bytes + 64
+    first = await cluster.start(capacity_bytes=3 * file_bytes, service_id="storage-a")
+    hashes, parents = chain(4)
+    await write_blocks(first.client, hashes[:3], parents[:3])
+    await first.service.stop()
+    second = await cluster.start(capacity_bytes=3 * file_bytes, service_id="storage-b")
+    assert len(second.service.catalog) == 3  # adopted from the files on disk
+    await write_blocks(second.client, hashes[3:], parents[3:])
+    assert len(second.service.catalog) == 3 and second.service.catalog.used_bytes == 3 * file_bytes
+
+
+async def test_storage_full_is_a_clear_write_error(tiny_fs: Path, cluster: StorageCluster) -> None:
+    node = await cluster.start(capacity_bytes=LAYOUT.full_block_bytes // 2)
+    hashes, parents = chain(1)
+    with pytest.raises(StorageError, match="storage full"):
+        await write_blocks(node.client, hashes, parents)
+    assert node.client._staging_alloc is not None and node.client._staging_alloc.used_bytes == 0
+    # the disk itself filling up (a real 128 KiB tmpfs) is reported the same way
+    tiny = await cluster.start(1, root=str(tiny_fs))
+    many, many_parents = chain(12, seed=3)
+    with pytest.raises(StorageError, match="storage full"):
+        await write_blocks(tiny.client, many, many_parents)
+    # what did get written is durable and readable; the service keeps serving
+    lease = await tiny.client.read("after-full", many, deadline_s=5.0)
+    assert 0 < lease.num_blocks < 12
+    await lease.release()
