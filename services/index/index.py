@@ -61,22 +61,23 @@ class BlockIndex:
     # ------------------------------------------------------------------------------------------ apply
 
     def apply(self, event: KvEvent, stream_seq: int = 0) -> bool:
-        """Apply one event; False when it is a duplicate/replay (or unusable) and changed nothing."""
+        """Apply one event; False for a duplicate or replay. A bad hash raises ValueError or OverflowError."""
         self.applied_stream_seq = max(self.applied_stream_seq, stream_seq)
         last = self.sources.get(event.source)
         if last is not None and (event.epoch, event.seq) <= last:
             self.num_events_ignored += 1
             return False
-        self.sources[event.source] = (event.epoch, event.seq)
+        keys = _as_keys(event.block_hashes) if isinstance(event, BlockStored | BlockRemoved) else None
+        self.sources[event.source] = (event.epoch, event.seq)  # only once the event is known to be usable
         self.num_events_applied += 1
-        if isinstance(event, BlockStored):
+        if isinstance(event, BlockStored) and keys is not None:
             bit = self._bit_for(event.location, create=True)
             if bit is not None:
-                self.table.or_values(_as_keys(event.block_hashes), 1 << bit)
-        elif isinstance(event, BlockRemoved):
+                self.table.or_values(keys, 1 << bit)
+        elif isinstance(event, BlockRemoved) and keys is not None:
             bit = self._bit_for(event.location, create=False)
             if bit is not None:
-                self.table.clear_bits(_as_keys(event.block_hashes), 1 << bit)
+                self.table.clear_bits(keys, 1 << bit)
         elif isinstance(event, Cleared):
             for location in event.locations:
                 bit = self._bit_for(location, create=False)
