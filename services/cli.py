@@ -20,7 +20,7 @@ from collections.abc import Sequence
 # modules with `register(subparsers)` adding top-level subcommands
 _COMMAND_MODULES = ("services.launcher", "gpu.commands")
 # modules with `register_bench(subparsers)` adding `kvpath bench <name>`
-_BENCH_MODULES: tuple[str, ...] = ("gpu.commands",)
+_BENCH_MODULES: tuple[str, ...] = ("gpu.commands", "shared.transport.bench")
 # `kvpath serve <name>` runs `<module>.main(argv)`
 SERVICE_MODULES = {
     "router": "services.router.__main__",

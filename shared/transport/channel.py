@@ -1,7 +1,7 @@
 """Sender side of a control connection: numbered frames out, replies matched back by sequence number.
 
 One `ControlChannel` per `Peer`. Frames of one op go out under a lock (they must not interleave with
-another op's); replies are read by one background task and resolve the op's future. When the connection
+another op's); replies are parsed by a reader callback and resolve the op's future. When the connection
 breaks, every op in flight fails with TransportError at once and the channel refuses new ops.
 """
 
@@ -38,8 +38,7 @@ class ControlChannel:
         self._seq = 0
         self._reader = FrameReader(self, limits, RECEIVER_TYPES)
         self._broken: TransportError | None = None
-        self._readable: asyncio.Future[None] | None = None
-        self._read_task = self._loop.create_task(self._read_loop(), name=f"kv-channel-{name}")
+        self._loop.add_reader(sock.fileno(), self._on_readable)
 
     @classmethod
     async def open(
@@ -102,7 +101,8 @@ class ControlChannel:
 
     async def request(self, header: Header, meta: bytes = b"") -> Reply:
         """Send a single frame with meta and wait for its reply (the caller bounds this)."""
-        header = dataclasses.replace(header, meta_len=len(meta))
+        if header.meta_len != len(meta):
+            header = dataclasses.replace(header, meta_len=len(meta))
         future = self.expect(header.seq)
         try:
             await self.send([pack(header), meta])
@@ -111,39 +111,24 @@ class ControlChannel:
             self.forget(header.seq)
 
     # ------------------------------------------------------------------ replies
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                buffers = self._reader.buffers()
-                try:
-                    nbytes = self._sock.recvmsg_into(buffers)[0]
-                except (BlockingIOError, InterruptedError):
-                    await self._wait_readable()
-                    continue
-                if nbytes == 0:
-                    self.break_("connection closed by the receiver")
-                    return
+    def _on_readable(self) -> None:
+        """Reader callback (registered for the channel's life): parse replies until the socket is dry."""
+        while self._broken is None:
+            try:
+                nbytes = self._sock.recvmsg_into(self._reader.buffers())[0]
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.break_(f"receive failed: {exc}")
+                return
+            if nbytes == 0:
+                self.break_("connection closed by the receiver")
+                return
+            try:
                 self._reader.advance(nbytes)
-        except asyncio.CancelledError:
-            raise
-        except KvpathError as exc:
-            self.break_(f"bad reply: {exc.message}")
-        except OSError as exc:
-            self.break_(f"receive failed: {exc}")
-
-    async def _wait_readable(self) -> None:
-        future: asyncio.Future[None] = self._loop.create_future()
-        fd = self._sock.fileno()
-
-        def ready() -> None:
-            if not future.done():
-                future.set_result(None)
-
-        self._loop.add_reader(fd, ready)
-        try:
-            await future
-        finally:
-            self._loop.remove_reader(fd)
+            except KvpathError as exc:
+                self.break_(f"bad reply: {exc.message}")
+                return
 
     def on_frame(self, header: Header, meta: bytes) -> None:
         future = self._pending.pop(header.seq, None)
@@ -168,6 +153,8 @@ class ControlChannel:
         self._broken = TransportError(f"connection to KV receiver {self.name} lost: {reason}")
         if not quiet:
             log.warning("kv sender: %s", self._broken.message)
+        if self._sock.fileno() >= 0:
+            self._loop.remove_reader(self._sock.fileno())
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
@@ -179,9 +166,6 @@ class ControlChannel:
             with contextlib.suppress(OSError, KvpathError):
                 self._sock.send(bye)
         self.break_("closed by this sender", quiet=True)
-        self._read_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._read_task
         self._sock.close()
 
 

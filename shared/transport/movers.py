@@ -68,6 +68,7 @@ class Mover(abc.ABC):
             region_id=op.region.region_id,
             tag=op.tag,
             aux=imm or 0,
+            meta_len=len(op.meta),
             value=op.nbytes,
         )
         await self.channel.request(header, op.meta)

@@ -18,6 +18,7 @@ from shared.transport.wire import (
     FrameType,
     Header,
     Limits,
+    payload_bytes,
     unpack,
     unpack_extents,
 )
@@ -121,7 +122,7 @@ class FrameReader:
             self._sink.on_frame(header, meta)
             return
         table = unpack_extents(self._tail, header.aux) if header.aux else np.zeros((0, 2), np.uint64)
-        if int(table[:, 1].sum(dtype=np.uint64)) != header.payload_len:
+        if payload_bytes(table) != header.payload_len:
             raise FrameError(f"write seq={header.seq}: extent lengths do not add up to its payload length")
         targets = self._sink.on_write_begin(header, table, self._meta)
         self._payload_left = header.payload_len

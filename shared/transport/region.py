@@ -30,7 +30,7 @@ def check_region_name(name: str) -> str:
 class Region:
     """One registered region. `view(offset, length)` is a writable uint8 view of its bytes."""
 
-    __slots__ = ("_closed", "_mmap", "_segment", "name", "rdma_key", "region_id", "size_bytes")
+    __slots__ = ("_closed", "_mmap", "_segment", "_whole", "name", "rdma_key", "region_id", "size_bytes")
 
     def __init__(self, name: str, region_id: int, size_bytes: int, *, shm_name: str | None) -> None:
         if size_bytes <= 0:
@@ -42,6 +42,7 @@ class Region:
         self._segment = ShmSegment.create(shm_name, size_bytes, replace=True) if shm_name else None
         self._mmap = None if self._segment else mmap.mmap(-1, size_bytes)
         self._closed = False
+        self._whole: memoryview | None = None  # cached byte view of everything (sockets receive into it)
 
     @property
     def shm_segment(self) -> str:
@@ -66,7 +67,10 @@ class Region:
 
     def buffer(self, offset: int, length: int) -> memoryview:
         """Like view(), as a memoryview (what sockets receive into)."""
-        return memoryview(self.view(offset, length).data)
+        self.check_extent(offset, length)
+        if self._whole is None:
+            self._whole = self.array().data
+        return self._whole[offset : offset + length]
 
     def address(self) -> int:
         """Virtual address of byte 0 in this process (for RDMA memory registration)."""
@@ -83,6 +87,9 @@ class Region:
     def close(self) -> None:
         """Free the memory (unlink the segment). Views still alive keep their mapping until dropped."""
         self._closed = True
+        if self._whole is not None:
+            self._whole.release()
+            self._whole = None
         if self._segment is not None:
             self._segment.close()
         elif self._mmap is not None and not self._mmap.closed:

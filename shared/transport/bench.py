@@ -1,0 +1,223 @@
+"""`kvpath bench transport`: throughput of the shm and tcp backends against a plain socket copy.
+
+The receiver runs in a child process (`python -m shared.transport.bench --serve`), the sender here. Per
+message size, the sender streams `--total-mib` of messages, each a `write(..., tag=k)` whose notice the
+child consumes, with `--window` writes in flight; a message counts when its write returned (bytes in the
+receiver's region, notice posted). Baseline: the same bytes over one plain TCP socket, `sendall` here and
+`recv_into` a preallocated buffer there, no framing, no notices. Prints a table (and JSON with --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from shared.transport.config import TransportConfig
+from shared.transport.receiver import KvReceiver
+from shared.transport.sender import KvSender, Peer
+
+DEFAULT_SIZES = "64K,256K,1M,4M,16M"
+_SLOTS = 8  # ring of message slots in the receive region
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def register_bench(subparsers: Any) -> None:
+    parser = subparsers.add_parser("transport", help="KV data plane throughput: shm, tcp, plain socket")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes (K/M suffixes)")
+    parser.add_argument("--total-mib", type=int, default=256, help="bytes streamed per size and backend")
+    parser.add_argument("--window", type=int, default=4, help="writes in flight")
+    parser.add_argument("--blocks-per-write", type=int, default=1, help="messages per write_many call")
+    parser.add_argument("--backends", default="shm,tcp", help="backends to measure")
+    parser.add_argument("--json", default="", help="also write the results to this file")
+    parser.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    backends = [b for b in args.backends.split(",") if b]
+    region_bytes = max(sizes) * max(_SLOTS, args.blocks_per_write)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "shared.transport.bench", "--serve", str(region_bytes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        results = asyncio.run(
+            _measure_all(
+                child, region_bytes, sizes, backends, args.total_mib << 20, args.window, args.blocks_per_write
+            )
+        )
+    finally:
+        if child.stdin is not None:
+            child.stdin.close()
+        child.wait(timeout=30)
+    _print_table(results, backends)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"unit": "GB/s (1e9 bytes/s)", "results": results}, f, indent=2)
+    return 0
+
+
+async def _measure_all(
+    child: subprocess.Popen[str],
+    region_bytes: int,
+    sizes: list[int],
+    backends: list[str],
+    total: int,
+    window: int,
+    blocks: int,
+) -> list[dict[str, Any]]:
+    sender = KvSender(TransportConfig(backends=["shm", "tcp"]), sender_id="bench")
+    try:
+        hello = json.loads(_line(child))
+        peers = {b: await sender.connect(hello["endpoint"], timeout_s=10, backend=b) for b in backends}
+        for peer in peers.values():  # fault in both mappings before timing
+            await peer.write("buf", 0, np.ones(region_bytes, np.uint8), timeout_s=60)
+        results = []
+        for size in sizes:
+            count = max(window * blocks, total // size) // blocks * blocks
+            row: dict[str, Any] = {"size_bytes": size, "messages": count, "blocks_per_write": blocks}
+            for backend, peer in peers.items():
+                row[backend] = await _stream(child, peer, size, count, window, blocks, region_bytes)
+            row["socket"] = _socket_baseline(child, hello["baseline_port"], size, count)
+            results.append(row)
+        return results
+    finally:
+        await sender.close()
+
+
+def _line(child: subprocess.Popen[str]) -> str:
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    if not line:
+        raise RuntimeError("bench receiver exited")
+    return line
+
+
+def _command(child: subprocess.Popen[str], text: str) -> None:
+    assert child.stdin is not None
+    child.stdin.write(text + "\n")
+    child.stdin.flush()
+
+
+async def _stream(
+    child: subprocess.Popen[str],
+    peer: Peer,
+    size: int,
+    count: int,
+    window: int,
+    blocks: int,
+    region_bytes: int,
+) -> float:
+    """GB/s of `count` messages of `size` bytes, `blocks` per tagged write, `window` writes in flight."""
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    slots = region_bytes // size
+    writes = count // blocks
+    _command(child, f"consume {writes}")
+    _line(child)  # the consumer is waiting
+    in_flight: set[asyncio.Task[None]] = set()
+    start = time.perf_counter()
+    for k in range(writes):
+        if len(in_flight) >= window:
+            done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+        extents = [(((k * blocks + j) % slots) * size, data) for j in range(blocks)]
+        in_flight.add(asyncio.ensure_future(peer.write_many("buf", extents, tag=k, timeout_s=60)))
+    await asyncio.gather(*in_flight)
+    elapsed = time.perf_counter() - start
+    if json.loads(_line(child)) != "consumed":
+        raise RuntimeError("bench receiver did not consume every notice")
+    return size * count / elapsed / 1e9
+
+
+def _socket_baseline(child: subprocess.Popen[str], port: int, size: int, count: int) -> float:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    _command(child, f"baseline {size} {count}")
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        start = time.perf_counter()
+        for _ in range(count):
+            sock.sendall(data.data)
+        if sock.recv(1) != b"k":
+            raise RuntimeError("baseline receiver did not confirm")
+        elapsed = time.perf_counter() - start
+    _line(child)
+    return size * count / elapsed / 1e9
+
+
+def _print_table(results: list[dict[str, Any]], backends: list[str]) -> None:
+    columns = [*backends, "socket"]
+    blocks = results[0]["blocks_per_write"] if results else 1
+    print(f"messages of `size` bytes, {blocks} per write call; GB/s = 1e9 bytes/s")
+    print(f"{'size':>9} {'msgs':>6} " + " ".join(f"{c + ' GB/s':>12}" for c in columns) + "   tcp/socket")
+    for row in results:
+        size = row["size_bytes"]
+        label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+        cells = " ".join(f"{row[c]:>12.2f}" for c in columns)
+        ratio = f"{row['tcp'] / row['socket']:>10.2f}" if "tcp" in row else ""
+        print(f"{label:>9} {row['messages']:>6} {cells}   {ratio}")
+
+
+# ---------------------------------------------------------------------------------- receiver process
+
+
+async def _serve(region_bytes: int) -> None:
+    receiver = KvReceiver(TransportConfig(backends=["shm", "tcp"]), receiver_id="bench-rx")
+    await receiver.start()
+    receiver.register_region("buf", region_bytes)
+    baseline = socket.create_server(("127.0.0.1", 0))
+    loop = asyncio.get_running_loop()
+    print(
+        json.dumps({"endpoint": receiver.endpoint(), "baseline_port": baseline.getsockname()[1]}), flush=True
+    )
+    while words := (await loop.run_in_executor(None, sys.stdin.readline)).split():
+        if words[0] == "consume":
+            print(json.dumps("waiting"), flush=True)
+            for tag in range(int(words[1])):
+                await receiver.wait("buf", tag, timeout_s=120)
+            print(json.dumps("consumed"), flush=True)
+        elif words[0] == "baseline":
+            await loop.run_in_executor(None, _baseline_receive, baseline, int(words[1]), int(words[2]))
+            print(json.dumps("received"), flush=True)
+    baseline.close()
+    await receiver.close()
+
+
+def _baseline_receive(listener: socket.socket, size: int, count: int) -> None:
+    conn, _ = listener.accept()
+    with conn:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        buffer = memoryview(bytearray(size))
+        for _ in range(count):
+            got = 0
+            while got < size:
+                n = conn.recv_into(buffer[got:])
+                if n == 0:
+                    raise RuntimeError("baseline sender went away")
+                got += n
+        conn.sendall(b"k")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        asyncio.run(_serve(int(sys.argv[2])))
+    else:
+        main_parser = argparse.ArgumentParser(prog="python -m shared.transport.bench")
+        register_bench(main_parser.add_subparsers(dest="bench", required=True))
+        parsed = main_parser.parse_args()
+        sys.exit(parsed.func(parsed))
