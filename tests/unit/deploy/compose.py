@@ -1,0 +1,103 @@
+"""Loading deploy/docker-compose.yml the way docker compose reads it (merge keys, env forms, port forms)."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from tests.unit.deploy.kvpath_cli import DEPLOY, PROJECT_IMAGE, ParsedService, parse_kvpath, split_image
+
+COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+
+
+@dataclass(slots=True)
+class Compose:
+    services: dict[str, dict[str, Any]]
+    volumes: dict[str, Any]
+    kvpath: dict[str, ParsedService]  # compose service name -> parsed `kvpath serve ...` of its container
+
+    def by_service(self, service: str) -> dict[str, ParsedService]:
+        return {name: p for name, p in self.kvpath.items() if p.service == service}
+
+
+def load_compose(path: Path = COMPOSE_FILE) -> Compose:
+    data = yaml.safe_load(path.read_text())
+    services = data.get("services") or {}
+    kvpath = {
+        name: parse_kvpath(command(svc), env=environment(svc))
+        for name, svc in services.items()
+        if is_project_image(svc)
+    }
+    return Compose(services, data.get("volumes") or {}, kvpath)
+
+
+def is_project_image(svc: dict[str, Any]) -> bool:
+    return split_image(str(svc.get("image", "")))[0] == PROJECT_IMAGE
+
+
+def command(svc: dict[str, Any]) -> list[str]:
+    cmd = svc.get("command") or []
+    return shlex.split(cmd) if isinstance(cmd, str) else [str(c) for c in cmd]
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "" if value is None else str(value)
+
+
+def environment(svc: dict[str, Any]) -> dict[str, str]:
+    """The `environment:` of a service as a dict, from either the mapping or the list form."""
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        return dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {str(k): _env_value(v) for k, v in env.items()}
+
+
+def depends_on(svc: dict[str, Any]) -> dict[str, str]:
+    """Dependency -> condition (the list form means service_started)."""
+    deps = svc.get("depends_on") or {}
+    if isinstance(deps, list):
+        return dict.fromkeys(deps, "service_started")
+    return {name: (spec or {}).get("condition", "service_started") for name, spec in deps.items()}
+
+
+def published_ports(svc: dict[str, Any]) -> list[tuple[int, int]]:
+    """(host port, container port) of every published port, short or long syntax."""
+    out = []
+    for port in svc.get("ports") or []:
+        if isinstance(port, dict):
+            out.append((int(port["published"]), int(port["target"])))
+            continue
+        parts = str(port).split("/")[0].split(":")
+        out.append((int(parts[-2]), int(parts[-1])) if len(parts) >= 2 else (int(parts[0]), int(parts[0])))
+    return out
+
+
+def mounts(svc: dict[str, Any]) -> list[tuple[str, str]]:
+    """(source, target) of every volume entry, short or long syntax."""
+    out = []
+    for vol in svc.get("volumes") or []:
+        if isinstance(vol, dict):
+            out.append((str(vol.get("source", "")), str(vol["target"])))
+        else:
+            source, target = str(vol).split(":")[:2]
+            out.append((source, target))
+    return out
+
+
+def url_host_port(url: str) -> tuple[str, int | None]:
+    parts = urlsplit(url)
+    return parts.hostname or "", parts.port
+
+
+def healthcheck_test(svc: dict[str, Any]) -> list[str]:
+    test = (svc.get("healthcheck") or {}).get("test") or []
+    if isinstance(test, str):
+        return ["CMD-SHELL", test]
+    return [str(t) for t in test]

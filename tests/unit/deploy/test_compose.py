@@ -1,0 +1,237 @@
+"""deploy/docker-compose.yml, checked against the real CLI parsers and config classes (no Docker here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.unit.deploy.compose import (
+    Compose,
+    depends_on,
+    environment,
+    healthcheck_test,
+    is_project_image,
+    load_compose,
+    mounts,
+    published_ports,
+    url_host_port,
+)
+from tests.unit.deploy.kvpath_cli import (
+    CORE_SERVICES,
+    DEPLOY,
+    REPO,
+    ManifestError,
+    image_problem,
+    parse_kvpath,
+    split_image,
+)
+
+CONDITIONS = ("service_started", "service_healthy", "service_completed_successfully")
+HEALTHCHECK_SCRIPT = "/opt/kvpath/healthcheck.py"
+# ports the official images listen on (what a published port may point at)
+OFFICIAL_PORTS = {
+    "nats": {4222, 8222},
+    "jaegertracing/all-in-one": {16686, 4317, 4318},
+    "prom/prometheus": {9090},
+    "grafana/grafana": {3000},
+    "otel/opentelemetry-collector": {4317, 4318, 13133},
+}
+
+
+@pytest.fixture(scope="module")
+def compose() -> Compose:
+    return load_compose()
+
+
+def test_cluster_runs_the_dualpath_topology(compose: Compose) -> None:
+    assert {p.service for p in compose.kvpath.values()} >= set(CORE_SERVICES)
+    (router,) = compose.by_service("router").values()
+    assert router.config.policy == "dualpath"
+    engines = {(p.config.role, p.config.node) for p in compose.by_service("engine").values()}
+    assert engines == {("prefill", 0), ("decode", 1)}
+    storage_nodes = sorted(p.config.node for p in compose.by_service("storage").values())
+    assert storage_nodes == [0, 1], "one storage service per node"
+    images = {split_image(str(s.get("image")))[0] for s in compose.services.values()}
+    assert {"nats", "otel/opentelemetry-collector", "jaegertracing/all-in-one"} <= images
+    assert {"prom/prometheus", "grafana/grafana"} <= images
+
+
+def test_kvpath_services_bind_all_interfaces_on_fixed_ports_with_fixed_ids(compose: Compose) -> None:
+    ids = []
+    for name, parsed in compose.kvpath.items():
+        env = environment(compose.services[name])
+        assert parsed.config.http_host == "0.0.0.0", name
+        assert parsed.config.http_port > 0, f"{name}: a fixed port for healthchecks and Prometheus"
+        assert env.get("KVPATH_SERVICE_ID"), f"{name}: KVPATH_SERVICE_ID must be fixed"
+        assert {"KVPATH_NATS_URL", "KVPATH_NAMESPACE"} <= env.keys(), name
+        ids.append(parsed.config.service_id)
+    assert len(ids) == len(set(ids)), f"duplicate service ids: {ids}"
+
+
+def test_cluster_wide_settings_agree(compose: Compose) -> None:
+    configs = [p.config for p in compose.kvpath.values()]
+    assert len({(c.nats_url, c.namespace) for c in configs}) == 1
+    (nats_host, nats_port) = url_host_port(configs[0].nats_url)
+    nats = compose.services[nats_host]
+    assert split_image(nats["image"])[0] == "nats" and "-js" in nats["command"], "NATS with JetStream"
+    assert nats_port == 4222
+    sized = [p.config for p in compose.kvpath.values() if p.service in ("router", "engine")]
+    assert len({c.block_size for c in sized}) == 1, "router and engines must agree on the block size"
+    assert len({c.model for c in sized}) == 1, "router and engines must serve the same model"
+
+
+def test_images_are_the_project_image_or_tagged_official_images(compose: Compose) -> None:
+    for name, svc in compose.services.items():
+        assert "image" in svc, name
+        assert image_problem(svc["image"]) is None, f"{name}: {image_problem(svc['image'])}"
+    builds = [svc["build"] for svc in compose.services.values() if is_project_image(svc) and "build" in svc]
+    assert builds, "the project image is built by compose"
+    for build in builds:
+        context = (DEPLOY / build["context"]).resolve()
+        assert context == REPO, "build context is the repository root"
+        assert (context / build["dockerfile"]).is_file()
+        assert build.get("args", {}).get("VARIANT", "cpu") in ("cpu", "cuda")
+
+
+def test_depends_on_names_existing_services_with_healthchecks(compose: Compose) -> None:
+    for name, svc in compose.services.items():
+        for dep, condition in depends_on(svc).items():
+            assert dep in compose.services, f"{name} depends on unknown service {dep}"
+            assert condition in CONDITIONS, f"{name} -> {dep}: {condition}"
+            if condition == "service_healthy":
+                test = healthcheck_test(compose.services[dep])
+                assert test and test[0] in ("CMD", "CMD-SHELL"), f"{name} waits for {dep}'s healthcheck"
+    _assert_acyclic({n: set(depends_on(s)) for n, s in compose.services.items()})
+
+
+def _assert_acyclic(graph: dict[str, set[str]]) -> None:
+    done: set[str] = set()
+
+    def visit(node: str, path: tuple[str, ...]) -> None:
+        assert node not in path, f"depends_on cycle: {' -> '.join((*path, node))}"
+        if node not in done:
+            for dep in graph.get(node, ()):
+                visit(dep, (*path, node))
+            done.add(node)
+
+    for node in graph:
+        visit(node, ())
+
+
+def test_kvpath_services_start_after_their_dependencies_are_healthy(compose: Compose) -> None:
+    for name in compose.kvpath:
+        assert depends_on(compose.services[name]).get("nats") == "service_healthy", name
+    (router,) = compose.by_service("router")
+    router_deps = depends_on(compose.services[router])
+    for engine in compose.by_service("engine"):
+        assert router_deps.get(engine) == "service_healthy", f"router waits for {engine}"
+    for engine, parsed in compose.by_service("engine").items():
+        deps = depends_on(compose.services[engine])
+        (storage,) = [
+            s for s, p in compose.by_service("storage").items() if p.config.node == parsed.config.node
+        ]
+        assert deps.get(storage) == "service_healthy", f"{engine} waits for its node's storage"
+
+
+def test_healthchecks_probe_the_port_the_service_listens_on(compose: Compose) -> None:
+    for name, parsed in compose.kvpath.items():
+        svc = compose.services[name]
+        test = healthcheck_test(svc)
+        assert test[:3] == ["CMD", "python", HEALTHCHECK_SCRIPT], f"{name}: {test}"
+        if "--port" in test:
+            assert int(test[test.index("--port") + 1]) == parsed.config.http_port, name
+        else:  # the script probes $KVPATH_HTTP_PORT
+            assert int(environment(svc)["KVPATH_HTTP_PORT"]) == parsed.config.http_port, name
+
+
+def test_published_ports_point_at_listening_ports(compose: Compose) -> None:
+    host_ports = []
+    for name, svc in compose.services.items():
+        for host, target in published_ports(svc):
+            host_ports.append(host)
+            if name in compose.kvpath:
+                assert target == compose.kvpath[name].config.http_port, f"{name}: {host}:{target}"
+            else:
+                repo = split_image(svc["image"])[0]
+                assert target in OFFICIAL_PORTS.get(repo, set()), (
+                    f"{name}: {repo} does not listen on {target}"
+                )
+    assert len(host_ports) == len(set(host_ports)), f"host ports published twice: {host_ports}"
+    (router,) = compose.by_service("router")
+    assert (8000, 8000) in published_ports(compose.services[router])
+
+
+def test_storage_services_share_one_named_volume_as_their_root(compose: Compose) -> None:
+    volumes = set()
+    for name, parsed in compose.by_service("storage").items():
+        targets = {target: source for source, target in mounts(compose.services[name])}
+        assert parsed.config.root in targets, f"{name}: --root {parsed.config.root} is not a mount"
+        volumes.add(targets[parsed.config.root])
+        assert parsed.config.is_shared_root, f"{name}: several nodes share the root"
+    (volume,) = volumes
+    assert volume in compose.volumes, "a named volume declared at top level"
+
+
+def test_engines_join_their_node_storage_ipc_namespace(compose: Compose) -> None:
+    storage_by_node = {p.config.node: n for n, p in compose.by_service("storage").items()}
+    assert len(storage_by_node) == len(compose.by_service("storage")), "one storage service per node"
+    for name, parsed in compose.by_service("engine").items():
+        storage = storage_by_node.get(parsed.config.node)
+        assert storage is not None, f"{name}: no storage service on node {parsed.config.node}"
+        assert compose.services[name].get("ipc") == f"service:{storage}", name
+        assert compose.services[storage].get("ipc") == "shareable", storage
+        assert compose.services[storage].get("shm_size"), f"{storage}: /dev/shm holds the node buffer"
+
+
+def test_mounted_files_and_named_volumes_exist(compose: Compose) -> None:
+    for name, svc in compose.services.items():
+        for source, target in mounts(svc):
+            if source.startswith((".", "/")):
+                assert (DEPLOY / source).exists(), f"{name}: {source} -> {target} does not exist"
+            else:
+                assert source in compose.volumes, f"{name}: undeclared volume {source}"
+
+
+def test_kvpath_services_export_traces_to_the_collector(compose: Compose) -> None:
+    import yaml
+
+    collector = next(
+        (n for n, s in compose.services.items() if "opentelemetry-collector" in s["image"]), None
+    )
+    assert collector is not None
+    config_file = dict((t, s) for s, t in mounts(compose.services[collector]))["/etc/otelcol/config.yaml"]
+    receivers = yaml.safe_load((DEPLOY / config_file).read_text())["receivers"]
+    http_port = int(receivers["otlp"]["protocols"]["http"]["endpoint"].rsplit(":", 1)[1])
+    for name in compose.kvpath:
+        endpoint = environment(compose.services[name]).get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+        assert url_host_port(endpoint) == (collector, http_port), f"{name}: {endpoint!r}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "why"),
+    [
+        (["serve", "enigne"], {}, "invalid choice"),
+        (["serve", "engine", "--rolle", "prefill"], {}, "unrecognized arguments"),
+        (["serve", "engine", "--role", "verifier"], {}, "role"),
+        (["serve", "storage", "--node", "0"], {"KVPATH_NODES": "1"}, "KVPATH_NODES"),
+        (["serve", "router", "--config", "/etc/kvpath/kvpath.yaml"], {}, "not a mounted config file"),
+        (["up"], {}, "kvpath serve"),
+    ],
+)
+def test_the_checker_rejects_what_kvpath_would_reject(argv: list[str], env: dict[str, str], why: str) -> None:
+    with pytest.raises(ManifestError, match=why):
+        parse_kvpath(argv, env=env)
+
+
+def test_the_checker_builds_the_config_kvpath_would(tmp_path: Path) -> None:
+    config_file = tmp_path / "kvpath.yaml"
+    config_file.write_text("common: {namespace: fromyaml}\nstorage: {root: /y, http_port: 9100}\n")
+    parsed = parse_kvpath(
+        ["serve", "storage", "--config", "/etc/k.yaml", "--root", "/flag"],
+        env={"KVPATH_NODE": "3", "KVPATH_HTTP_PORT": "9101"},
+        config_files={"/etc/k.yaml": config_file},
+    )
+    assert parsed.service == "storage"
+    assert (parsed.config.namespace, parsed.config.root) == ("fromyaml", "/flag")
+    assert (parsed.config.node, parsed.config.http_port) == (3, 9101)
