@@ -263,6 +263,18 @@ def _counter_series(
     return series
 
 
+def _bytes_per_window(
+    series: dict[int, tuple[list[float], list[float]]], edges: list[float]
+) -> list[list[float]]:
+    """Bytes each node moved between consecutive `edges`: one list per window, one entry per sampled node."""
+    per_window: list[list[float]] = [[] for _ in range(len(edges) - 1)]
+    for times, values in series.values():
+        at = [_counter_at(times, values, t) for t in edges]
+        for k, window in enumerate(per_window):
+            window.append(at[k + 1] - at[k])
+    return per_window
+
+
 def storage_balance(
     samples: Sequence[tuple[float, int, float]],
     window_s: float,
@@ -291,11 +303,7 @@ def storage_balance(
     t_last = max(times[-1] for times, _ in series.values())
     num_windows = max(1, math.ceil((t_last - t_first) / window_s))
     edges = [min(t_first + k * window_s, t_last) for k in range(num_windows + 1)]
-    per_window: list[list[float]] = [[] for _ in range(num_windows)]
-    for times, values in series.values():
-        at = [_counter_at(times, values, t) for t in edges]
-        for k in range(num_windows):
-            per_window[k].append(at[k + 1] - at[k])
+    per_window = _bytes_per_window(series, edges)
     totals = [sum(w) for w in per_window]
     floor_bytes = min_load_fraction * max(totals)
     ratios = tuple(

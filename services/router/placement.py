@@ -19,13 +19,15 @@ Choices the paper leaves open ([GAP] in the brief), decided here:
   behind it stay queued), although the paper's DE stage alone does not keep FIFO.
 * Draining engines get nothing. A node whose storage is down is never a read side; a request with no live side
   (or no hit) is placed with `read_side=None` and recomputes its prefix.
-* Ties break deterministically: fewer tokens, then fewer requests, then the smaller id.
+* Ties break deterministically: on the other load measure (tokens or requests), then on the smaller id.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import heapq
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from services.router.dualpath import (
     ROLE_DECODE,
@@ -70,9 +72,6 @@ class _Loads:
         if uses_kv:
             self.free_kv[engine_id] -= request.hbm_need_tokens
 
-    def least_loaded(self, engines: Sequence[EngineSnapshot]) -> EngineSnapshot:
-        return min(engines, key=lambda e: (self.tokens[e.engine_id], self.requests[e.engine_id], e.engine_id))
-
 
 def _active(snapshot: ClusterSnapshot, role: str) -> list[EngineSnapshot]:
     return [e for e in snapshot.with_role(role) if not e.is_draining]
@@ -88,25 +87,34 @@ def select_prefill_engines(
 
     Category 1 (tokens > beta) gets nothing; among the rest, engines on nodes whose reported read queue is
     <= alpha (category 2) beat the others (category 3; a node whose storage is down counts here, since its
-    idle SNIC cannot be used anyway); fewest unfinished tokens wins, and the winner's tokens
-    and request count grow before the next request. Without `use_read_queue_categories` (policy `basic`) all
-    engines under beta form one pool.
+    idle SNIC cannot be used anyway); fewest unfinished tokens wins (then fewer requests, then the smaller
+    id), and the winner's tokens and request count grow before the next request. Without
+    `use_read_queue_categories` (policy `basic`) all engines under beta form one pool.
     """
-    loads = _Loads.of(snapshot)
     is_short = {
         n.node: n.is_storage_alive and n.read_queue_tokens <= thresholds.alpha_tokens for n in snapshot.nodes
     }
-    engines = _active(snapshot, ROLE_PREFILL)
+    # One heap per category, keyed (tokens, requests, id). Loads only grow within a round, so an engine that
+    # crosses beta leaves for good and a node's category (from the reported queue) never changes.
+    short: list[tuple[int, int, str]] = []
+    long: list[tuple[int, int, str]] = []
+    for e in _active(snapshot, ROLE_PREFILL):
+        if e.unfinished_tokens <= thresholds.beta_tokens:
+            is_preferred = is_short[e.node] or not use_read_queue_categories
+            (short if is_preferred else long).append((e.unfinished_tokens, e.num_unfinished, e.engine_id))
+    heapq.heapify(short)
+    heapq.heapify(long)
     chosen: list[str] = []
     for request in snapshot.queue:
-        open_engines = [e for e in engines if loads.tokens[e.engine_id] <= thresholds.beta_tokens]
-        if not open_engines:
+        pool = short or long
+        if not pool:
             break
-        short = [e for e in open_engines if is_short[e.node]]
-        pool = short if (short and use_read_queue_categories) else open_engines
-        best = loads.least_loaded(pool)
-        loads.assign(best.engine_id, request, uses_kv=False)
-        chosen.append(best.engine_id)
+        tokens, requests, engine_id = pool[0]
+        chosen.append(engine_id)
+        if tokens + request.prompt_tokens <= thresholds.beta_tokens:
+            heapq.heapreplace(pool, (tokens + request.prompt_tokens, requests + 1, engine_id))
+        else:
+            heapq.heappop(pool)  # now category 1
     return tuple(chosen)
 
 
@@ -122,11 +130,13 @@ def assign_decode_groups(
     for engine in _active(snapshot, ROLE_DECODE):
         totals[engine.group] = totals.get(engine.group, 0) + engine.unfinished_tokens
     queues: dict[str, list[PendingRequest]] = {group: [] for group in totals}
+    heap = [(total, group) for group, total in totals.items()]
+    heapq.heapify(heap)
     for request in requests:
-        if not totals:
+        if not heap:
             break
-        group = min(totals, key=lambda g: (totals[g], g))
-        totals[group] += request.prompt_tokens
+        total, group = heap[0]
+        heapq.heapreplace(heap, (total + request.prompt_tokens, group))
         queues[group].append(request)
     return queues
 
@@ -176,11 +186,12 @@ def select_decode_engines(
     requests: Sequence[PendingRequest], snapshot: ClusterSnapshot, z_factor: float
 ) -> tuple[str | None, ...]:
     """Two-level DE choice (brief 5.3) for `requests` in order; None where the request's group had no room."""
-    queues = assign_decode_groups(requests, snapshot)
+    members: dict[str, list[EngineSnapshot]] = {}
+    for engine in _active(snapshot, ROLE_DECODE):
+        members.setdefault(engine.group, []).append(engine)
     placed: dict[str, str] = {}
-    for group, private_queue in queues.items():
-        engines = [e for e in _active(snapshot, ROLE_DECODE) if e.group == group]
-        placed.update(_place_in_group(private_queue, engines, z_factor))
+    for group, private_queue in assign_decode_groups(requests, snapshot).items():
+        placed.update(_place_in_group(private_queue, members[group], z_factor))
     return tuple(placed.get(r.request_id) for r in requests)
 
 
@@ -243,11 +254,21 @@ def place_basic(snapshot: ClusterSnapshot, thresholds: Thresholds) -> tuple[Plac
     return _place_staged(snapshot, thresholds, is_dualpath=False)
 
 
-def _next_in_ring(ring: Sequence[EngineSnapshot], cursor: int, eligible: set[str]) -> int | None:
+def _at_most(values: Mapping[str, int], limit: float, engine_id: str) -> bool:
+    return values[engine_id] <= limit
+
+
+def _at_least(values: Mapping[str, int], floor: float, engine_id: str) -> bool:
+    return values[engine_id] >= floor
+
+
+def _next_in_ring(
+    ring: Sequence[EngineSnapshot], cursor: int, is_eligible: Callable[[str], bool]
+) -> int | None:
     """Index of the first eligible engine from `cursor` on, cyclically; None when none is."""
     for step in range(len(ring)):
         index = (cursor + step) % len(ring)
-        if not ring[index].is_draining and ring[index].engine_id in eligible:
+        if not ring[index].is_draining and is_eligible(ring[index].engine_id):
             return index
     return None
 
@@ -273,10 +294,8 @@ def place_round_robin(
     pe_cursor, de_cursor, next_side = state.pe_cursor, state.de_cursor, state.next_side
     placements: list[Placement] = []
     for request in snapshot.queue:
-        open_pes = {e for e, tokens in loads.tokens.items() if tokens <= thresholds.beta_tokens}
-        roomy_des = {e for e, free in loads.free_kv.items() if free >= request.hbm_need_tokens}
-        pe_index = _next_in_ring(pes, pe_cursor, open_pes)
-        de_index = _next_in_ring(des, de_cursor, roomy_des)
+        pe_index = _next_in_ring(pes, pe_cursor, partial(_at_most, loads.tokens, thresholds.beta_tokens))
+        de_index = _next_in_ring(des, de_cursor, partial(_at_least, loads.free_kv, request.hbm_need_tokens))
         if pe_index is None or de_index is None:
             break
         pe, de = pes[pe_index], des[de_index]

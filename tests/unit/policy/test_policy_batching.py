@@ -69,6 +69,13 @@ def test_chunk_is_the_largest_the_cost_model_allows(cached: int, quota_s: float,
     assert [(i.request_id, i.new_tokens) for i in plan.items] == expected
 
 
+def test_a_chunk_that_fills_the_quota_exactly_is_taken() -> None:
+    # 4 tokens after 60 cached: 4 * 60 + 10 = 250 pairs = 1000 FLOPs = exactly the 1 s quota; 5 would overflow
+    plan = plan_prefill_batch([work("a", 60, 10)], MS_PER_FLOP, UNIT, BatchingLimits(compute_quota_s=1.0))
+    assert [i.new_tokens for i in plan.items] == [4]
+    assert plan.predicted_attention_s == 1.0
+
+
 def test_token_cap_is_a_second_limit() -> None:
     queue = [work("a", 0, 10), work("b", 0, 10)]
     plan = plan_prefill_batch(

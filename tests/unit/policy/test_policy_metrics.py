@@ -11,8 +11,8 @@ from shared.errors import ConfigError, KvpathError
 
 
 def test_thresholds_are_seconds_times_the_median_measured_rate() -> None:
-    t = thresholds_from_rates([1000.0, 3000.0, 2000.0], [400.0, 600.0])
-    assert (t.alpha_tokens, t.beta_tokens, t.z_factor) == (3.0 * 2000.0, 5.0 * 500.0, 1.05)
+    t = thresholds_from_rates([1000.0, 5000.0, 1500.0], [400.0, 600.0])  # median, not mean: 1500 not 2500
+    assert (t.alpha_tokens, t.beta_tokens, t.z_factor) == (3.0 * 1500.0, 5.0 * 500.0, 1.05)
 
 
 def test_unmeasured_rates_are_ignored_and_fallbacks_apply() -> None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
+from services.router.dualpath import ClusterSnapshot
 from services.router.placement import select_prefill_engines
 from tests.unit.policy.snapshots import limits, node, pe, req, snap
 
@@ -92,3 +97,44 @@ def test_basic_pool_ignores_read_queue_categories() -> None:
         [req("r1", 5)],
     )
     assert select_prefill_engines(s, limits(), use_read_queue_categories=False) == ("idle_long",)
+
+
+def test_an_engine_exactly_at_beta_is_not_overloaded() -> None:
+    s = snap(
+        [pe("a", 0, tok=100), pe("b", 0, tok=100)], [node(0)], [req("r1", 1), req("r2", 1), req("r3", 1)]
+    )
+    # category 1 is tok > beta: both start open; each goes over after one request
+    assert select_prefill_engines(s, limits(beta=100)) == ("a", "b")
+
+
+def reference_pe_fetch(s: ClusterSnapshot, alpha: float, beta: float) -> tuple[str, ...]:
+    """The brief's 5.2 pseudo-code, literally (lists rebuilt for every request)."""
+    tok = {e.engine_id: e.unfinished_tokens for e in s.engines}
+    seq = {e.engine_id: e.num_unfinished for e in s.engines}
+    read_q = {n.node: n.read_queue_tokens for n in s.nodes}
+    engines = [e for e in s.engines if e.role == "prefill" and not e.is_draining]
+    out = []
+    for r in s.queue:
+        cat2 = [e for e in engines if tok[e.engine_id] <= beta and read_q[e.node] <= alpha]
+        cat3 = [e for e in engines if tok[e.engine_id] <= beta and read_q[e.node] > alpha]
+        pool = cat2 or cat3
+        if not pool:
+            break
+        e = min(pool, key=lambda x: (tok[x.engine_id], seq[x.engine_id], x.engine_id))
+        tok[e.engine_id] += r.prompt_tokens
+        seq[e.engine_id] += 1
+        out.append(e.engine_id)
+    return tuple(out)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_matches_the_pseudo_code_on_random_snapshots(seed: int) -> None:
+    rng = random.Random(seed)
+    nodes = [node(n, read_q=rng.randint(0, 200)) for n in range(rng.randint(1, 4))]
+    engines = [
+        pe(f"e{i}", rng.randrange(len(nodes)), tok=rng.randint(0, 120), seq=rng.randint(0, 3))
+        for i in range(rng.randint(1, 9))
+    ]
+    queue = [req(f"r{i}", rng.randint(1, 60)) for i in range(rng.randint(0, 30))]
+    s = snap(engines, nodes, queue)
+    assert select_prefill_engines(s, limits(alpha=100, beta=150)) == reference_pe_fetch(s, 100, 150)
