@@ -202,11 +202,14 @@ class LocalCluster:
         try:
             await registry.open()
             want = {c.spec.name for c in self.children}
+            num_engines = sum(1 for c in self.children if c.spec.service == "engine")
             async with aiohttp.ClientSession() as http:
                 while True:
                     self._check_children()
                     ready = {s.service_id: s for s in await registry.list() if s.status == "ready"}
-                    if want <= ready.keys() and await _all_healthy(http, [ready[n] for n in want]):
+                    if want <= ready.keys() and await _all_healthy(
+                        http, [ready[n] for n in want], num_engines
+                    ):
                         self.service_urls = {n: ready[n].http_url for n in sorted(want)}
                         return ready["router-0"].http_url
                     if time.monotonic() > deadline:
@@ -261,11 +264,14 @@ class LocalCluster:
             self.nats.stop()
 
 
-async def _all_healthy(http: aiohttp.ClientSession, services: list[ServiceInfo]) -> bool:
+async def _all_healthy(http: aiohttp.ClientSession, services: list[ServiceInfo], num_engines: int) -> bool:
+    """Every service answers /health with 200, and the router already sees every engine's load reports."""
     for info in services:
         try:
             async with http.get(f"{info.http_url}/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
                 if resp.status != 200:
+                    return False
+                if info.service_kind == "router" and (await resp.json()).get("engines", 0) < num_engines:
                     return False
         except (aiohttp.ClientError, TimeoutError):
             return False
