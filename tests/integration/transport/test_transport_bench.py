@@ -1,0 +1,36 @@
+"""`kvpath bench transport` runs end to end and reports every backend and the socket baseline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_bench_prints_a_table_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "bench",
+        "transport",
+        "--sizes",
+        "64K,1M",
+        "--total-mib",
+        "4",
+        "--blocks-per-write",
+        "2",
+        "--json",
+        str(out),
+    ]
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=100, check=True, cwd=Path(__file__).resolve().parents[3]
+    )
+    assert "tcp/socket" in result.stdout and "64 KiB" in result.stdout and "1 MiB" in result.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert [r["size_bytes"] for r in rows] == [64 << 10, 1 << 20]
+    for row in rows:
+        assert row["blocks_per_write"] == 2 and row["messages"] % 2 == 0
+        assert all(row[k] > 0 for k in ("shm", "tcp", "socket"))
