@@ -139,6 +139,10 @@ class ReceiverConnection:
     def on_write_end(self, header: Header, meta: bytes) -> None:
         region, error = self._write_region, self._write_error
         self._write_region = self._write_error = None
+        if error is None and region is not None and self.core.region_by_id(region.region_id) is not region:
+            error = TransportError(
+                f"region {region.name!r} was unregistered during the write", param="region"
+            )
         if error is None and region is not None and header.has_notice:
             notice = Notice(region.name, header.tag, meta, self.peer_id, header.payload_len)
             error = self._try_post(notice)

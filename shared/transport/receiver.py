@@ -158,6 +158,15 @@ class KvReceiver:
             regions={name: r.size_bytes for name, r in self._regions.items()},
         ).to_dict()
 
+    def service_endpoints(self) -> dict[str, str]:
+        """Where each offered backend is reached, for ServiceInfo.endpoints (the descriptor is endpoint())."""
+        out = {"tcp": f"{self._address}:{self._port}"}  # the control connection every backend uses
+        if self._probe is not None:
+            out["shm"] = host_id()
+        if self._rdma is not None:
+            out["rdma"] = f"{self._rdma.device_name}:{self.config.rdma_port}"
+        return out
+
     def register_region(self, name: str, size_bytes: int) -> Region:
         """Allocate a zeroed receive region senders can write into (shm-backed when shm is offered)."""
         self._check_open()

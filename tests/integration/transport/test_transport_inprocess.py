@@ -32,6 +32,17 @@ def test_default_choice_on_one_host_is_shm() -> None:
     assert asyncio.run(run()) == "shm"
 
 
+async def test_endpoint_announces_backends_and_regions(receiver: KvReceiver) -> None:
+    endpoint = receiver.endpoint()
+    assert endpoint["kind"] == "kv_endpoint" and endpoint["backends"] == ["shm", "tcp"]
+    assert endpoint["regions"] == {"buf": receiver.region("buf").size_bytes}
+    services = receiver.service_endpoints()
+    assert (
+        services["tcp"] == f"{endpoint['address']}:{endpoint['port']}"
+        and services["shm"] == endpoint["host_id"]
+    )
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_write_is_byte_exact_and_notice_carries_meta(
     receiver: KvReceiver, sender: KvSender, backend: str

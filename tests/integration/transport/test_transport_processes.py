@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from shared.errors import TransportError
+from shared.errors import DeadlineExceededError, TransportError
 from shared.transport import KvReceiver, KvSender, TransportConfig
 
 HELPER = Path(__file__).with_name("peer_proc.py")
@@ -165,5 +165,33 @@ async def test_receiver_killed_fails_the_sender(backend: str) -> None:
                 for tag in range(2, 100):  # bytes may still fit in socket buffers for a write or two
                     await peer.write("buf", 0, pattern(1, 1 << 20), tag=tag, timeout_s=10)
             assert not peer.is_open
+    finally:
+        await tx.close()
+
+
+async def test_stalled_receiver_is_a_deadline_not_a_hang() -> None:
+    tx = KvSender(TransportConfig(backends=["shm", "tcp"]), sender_id="pe-main")
+    try:
+        async with child("receiver", "--size", str(64 << 20)) as rx:
+            endpoint = await read_json(rx)
+            tcp = await tx.connect(endpoint, timeout_s=10, backend="tcp")
+            shm = await tx.connect(endpoint, timeout_s=10, backend="shm")
+            await shm.write("buf", 0, b"warm", tag=1, timeout_s=10)
+            await tcp.write(
+                "buf", 0, b"warm", timeout_s=10
+            )  # region looked up: the deadline hits the payload
+            big = pattern(2, 64 << 20)
+            rx.send_signal(signal.SIGSTOP)  # alive but not reading: kernel buffers fill, acks stop
+            try:
+                with pytest.raises(DeadlineExceededError):
+                    await tcp.write("buf", 0, big, tag=2, timeout_s=0.5)
+                assert not tcp.is_open  # half a frame went out: this connection is done
+                with pytest.raises(DeadlineExceededError):
+                    await shm.write("buf", 0, b"x" * 1024, tag=3, timeout_s=0.5)
+            finally:
+                rx.send_signal(signal.SIGCONT)
+            assert shm.is_open  # only the ack was late: the connection is intact and usable again
+            await shm.write("buf", 0, b"again", tag=4, timeout_s=10)
+            assert await ask(rx, "wait 4 10") == {"tag": 4, "meta": "", "nbytes": 5, "peer": "pe-main"}
     finally:
         await tx.close()

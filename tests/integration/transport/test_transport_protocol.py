@@ -145,3 +145,33 @@ async def test_error_replies_decode_to_the_sent_error(receiver: KvReceiver) -> N
             await channel.request(notice)
     finally:
         await channel.close()
+
+
+async def test_region_unregistered_mid_write_is_refused(receiver: KvReceiver) -> None:
+    receiver.register_region("slot", 1 << 20)
+    ep = receiver.endpoint()
+    channel = await ControlChannel.open(
+        ep["address"], ep["port"], name="rx", limits=Limits(), buffer_bytes=1 << 20
+    )
+    try:
+        await channel.request(
+            Header(FrameType.HELLO, seq=channel.next_seq()),
+            encode(TransferHello(sender_id="s", backend="tcp")),
+        )
+        _, meta = await channel.request(Header(FrameType.LOOKUP, seq=channel.next_seq()), b"slot")
+        info = decode(meta, RegionInfo)
+        seq = channel.next_seq()
+        frame = _write(seq, info.region_id, [(0, bytes(range(256)) * 1024)], tag=5)
+        future = channel.expect(seq)
+        await channel.send([memoryview(frame[:-1000])])
+        for _ in range(100):  # let the receiver take the header and start the payload
+            await asyncio.sleep(0)
+        receiver.unregister_region("slot")
+        new = receiver.register_region("slot", 1 << 20)  # same name, new memory
+        await channel.send([memoryview(frame[-1000:])])
+        with pytest.raises(TransportError, match="unregistered during the write"):
+            await asyncio.wait_for(future, 5)
+        assert receiver.poll("slot", 5) is None
+        assert not new.view(0, 1 << 18).any()
+    finally:
+        await channel.close()
