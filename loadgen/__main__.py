@@ -1,0 +1,7 @@
+"""`python -m loadgen ...`: the same as `kvpath loadgen ...`."""
+
+import sys
+
+from loadgen.cli import main
+
+sys.exit(main())
