@@ -13,6 +13,14 @@ import yaml
 from tests.unit.deploy.kvpath_cli import DEPLOY, PROJECT_IMAGE, ParsedService, parse_kvpath, split_image
 
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+# ports the official images listen on (what a published port or a URL may point at)
+OFFICIAL_PORTS = {
+    "nats": {4222, 8222},
+    "jaegertracing/all-in-one": {16686, 4317, 4318},
+    "prom/prometheus": {9090},
+    "grafana/grafana": {3000},
+    "otel/opentelemetry-collector": {4317, 4318, 13133},
+}
 
 
 @dataclass(slots=True)

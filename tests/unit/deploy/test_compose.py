@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.deploy.compose import (
+    OFFICIAL_PORTS,
     Compose,
     depends_on,
     environment,
@@ -29,14 +30,6 @@ from tests.unit.deploy.kvpath_cli import (
 
 CONDITIONS = ("service_started", "service_healthy", "service_completed_successfully")
 HEALTHCHECK_SCRIPT = "/opt/kvpath/healthcheck.py"
-# ports the official images listen on (what a published port may point at)
-OFFICIAL_PORTS = {
-    "nats": {4222, 8222},
-    "jaegertracing/all-in-one": {16686, 4317, 4318},
-    "prom/prometheus": {9090},
-    "grafana/grafana": {3000},
-    "otel/opentelemetry-collector": {4317, 4318, 13133},
-}
 
 
 @pytest.fixture(scope="module")
