@@ -10,10 +10,10 @@ sequence's cache blocks and never frees them while a connector call that reads t
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from collections.abc import Sequence as Seq
 
 from gpu.runner import LayerHook
-
 from services.engine.scheduler import PrefillChunk
 from services.engine.sequence import Sequence
 
@@ -45,6 +45,11 @@ class KvConnector:
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished, failed or was preempted: drop what is held for it (read leases)."""
+
+    def finish(self, seq: Sequence) -> Awaitable[None] | None:
+        """The sequence finished. Return an awaitable if its last delta must wait for it (e.g. until its
+        blocks are durable), else None. Either way the connector forgets the sequence afterwards."""
+        return None
 
     def stats(self) -> dict[str, float]:
         return {}

@@ -12,11 +12,10 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq, SamplingOptions
-
 from services.engine import metrics
 from services.engine.config import EngineConfig
 from services.engine.connector import KvConnector, NullConnector
@@ -61,6 +60,8 @@ class EngineCore:
         self.is_idle = asyncio.Event()  # no request in the engine (drain waits on it)
         self.is_idle.set()
         self.step_count = 0
+        self._final_waits: dict[str, Awaitable[None]] = {}  # last deltas that wait for the connector
+        self._background: set[asyncio.Task[None]] = set()
         self.is_draining = False
 
     # ------------------------------------------------------------------------------------- admission
@@ -173,6 +174,9 @@ class EngineCore:
                 out.append(self._finish(seq, "error"))
             else:
                 self._finish(seq, "abort")  # the router asked: it expects nothing more
+                wait = self._final_waits.pop(seq.request_id, None)
+                if wait is not None:
+                    self._spawn(_drain(wait))
         self._aborts.clear()
         return out
 
@@ -268,6 +272,9 @@ class EngineCore:
         if prep is not None:
             prep.cancel()
         self.connector.release(seq)
+        wait = self.connector.finish(seq)
+        if wait is not None:
+            self._final_waits[seq.request_id] = wait
         self.runner.release(seq.request_id)
         metrics.REQUESTS.labels(reason).inc()
         return self._delta(seq)
@@ -292,13 +299,39 @@ class EngineCore:
     async def _flush(self, out: list[Outgoing]) -> None:
         by_router: dict[str, list[TokenDelta]] = defaultdict(list)
         for router_id, delta in out:
-            by_router[router_id].append(delta)
+            wait = self._final_waits.pop(delta.request_id, None) if delta.finish_reason else None
+            if wait is None:
+                by_router[router_id].append(delta)
+            else:  # the last delta goes out once the connector is done (e.g. blocks durable)
+                self._spawn(self._publish_after(wait, router_id, delta))
         for router_id, deltas in by_router.items():
-            batch = TokenBatch(engine_id=self.engine_id, step=self.step_count, deltas=deltas)
-            try:
-                await self.publish(router_id, batch)
-            except Exception as exc:  # the router notices the gap or the silence
-                log.warning("token publish failed router=%s: %r", router_id, exc)
+            await self._publish(router_id, deltas)
+
+    async def _publish(self, router_id: str, deltas: list[TokenDelta]) -> None:
+        batch = TokenBatch(engine_id=self.engine_id, step=self.step_count, deltas=deltas)
+        try:
+            await self.publish(router_id, batch)
+        except Exception as exc:  # the router notices the gap or the silence
+            log.warning("token publish failed router=%s: %r", router_id, exc)
+
+    async def _publish_after(self, wait: Awaitable[None], router_id: str, delta: TokenDelta) -> None:
+        try:
+            await wait
+        except Exception:
+            log.exception("finish wait failed request_id=%s", delta.request_id)
+        await self._publish(router_id, [delta])
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Wait (bounded by the caller) for deferred last deltas, then cancel what is left."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=5.0)
+        for task in list(self._background) + list(self.preparing.values()):
+            task.cancel()
 
     # --------------------------------------------------------------------------------------- reports
 
@@ -310,6 +343,10 @@ class EngineCore:
             "free_kv_blocks": self.runner.kv.num_free_blocks,
             "total_kv_blocks": self.runner.kv.num_blocks,
         }
+
+
+async def _drain(wait: Awaitable[None]) -> None:
+    await wait
 
 
 def _sampling(seq: Sequence) -> SamplingOptions:

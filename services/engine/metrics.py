@@ -21,3 +21,17 @@ KV_BLOCKS_USED = Gauge("kvpath_engine_kv_blocks_used", "Paged KV cache blocks in
 KV_BLOCKS_TOTAL = Gauge("kvpath_engine_kv_blocks_total", "Paged KV cache blocks in all")
 RUNNING = Gauge("kvpath_engine_requests_running", "Sequences holding KV blocks")
 WAITING = Gauge("kvpath_engine_requests_waiting", "Sequences queued or fetching their stored prefix")
+KV_LOADED_BLOCKS = Counter(
+    "kvpath_engine_kv_loaded_blocks_total", "Stored prefix blocks loaded instead of computed"
+)
+KV_LOAD_MISSES = Counter(
+    "kvpath_engine_kv_load_misses_total",
+    "Planned prefix blocks not loaded, by reason (missing, corrupt, storage down, timeout)",
+    ["reason"],
+)
+KV_PERSISTED_BLOCKS = Counter("kvpath_engine_kv_persisted_blocks_total", "Full blocks written to the store")
+KV_PERSIST_FAILURES = Counter(
+    "kvpath_engine_kv_persist_failures_total",
+    "Full blocks not persisted, by reason (storage full or down, staging full, timeout)",
+    ["reason"],
+)

@@ -34,7 +34,19 @@ class EngineService(Service):
 
     def build_connector(self) -> KvConnector | None:
         """The KV connector for this engine's role and config (None: recompute everything)."""
-        return None
+        cfg = self.config
+        if not (cfg.load_kv or cfg.persist_kv):
+            return None
+        from services.engine.storage_connector import StorageConnector
+
+        return StorageConnector(
+            self.bus,
+            self.runner,
+            node=cfg.node,
+            block_size=cfg.block_size,
+            load_kv=cfg.load_kv,
+            persist_kv=cfg.persist_kv,
+        )
 
     async def on_start(self) -> None:
         from gpu.runner import ModelRunner
@@ -88,6 +100,8 @@ class EngineService(Service):
             await asyncio.wait_for(self.core.is_idle.wait(), max(0.0, deadline - time.monotonic()))
 
     async def on_stop(self) -> None:
+        if self.core is not None:
+            await self.core.close()
         if self._connector is not None:
             with contextlib.suppress(Exception):
                 await self._connector.close()

@@ -97,7 +97,13 @@ async def _serve(request: web.Request, parse: Callable[[Any, str], GenerationReq
     request_id = ctx.core.new_request_id(endpoint)
     usage = Usage()
     pieces = ctx.core.generate(prompt, request_id, usage)
-    renderer = _Renderer(endpoint, request_id, ctx.model_name, prompt.request.include_usage)
+    renderer = _Renderer(
+        endpoint,
+        request_id,
+        ctx.model_name,
+        prompt.request.include_usage,
+        prompt.token_ids if prompt.request.return_token_ids else None,
+    )
     outcome = "ok"
     try:
         async with contextlib.aclosing(pieces):
@@ -140,11 +146,13 @@ def _prepare(ctx: ApiContext, req: GenerationRequest) -> PreparedPrompt:
 
 async def _collect(pieces: AsyncIterator[Piece], renderer: _Renderer, usage: Usage) -> web.Response:
     parts: list[str] = []
+    token_ids: list[int] = []
     finish: str | None = None
     async for piece in pieces:
         parts.append(piece.text)
+        token_ids += piece.token_ids
         finish = piece.finish_reason or finish
-    body = renderer.final("".join(parts), finish or "stop", usage)
+    body = renderer.final("".join(parts), finish or "stop", usage, token_ids)
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
@@ -158,11 +166,11 @@ async def _stream(
     write: Callable[[bytes], Awaitable[None]] = response.write
     try:
         if renderer.endpoint == "chat":
-            await write(renderer.sse(renderer.chunk("", None, role=True)))
+            await write(renderer.sse(renderer.chunk("", None, [], role=True)))
         piece = first
         while piece is not None:
-            if piece.text or piece.finish_reason is not None:
-                await write(renderer.sse(renderer.chunk(piece.text, piece.finish_reason)))
+            if piece.text or piece.finish_reason is not None or renderer.wants_token_ids(piece.token_ids):
+                await write(renderer.sse(renderer.chunk(piece.text, piece.finish_reason, piece.token_ids)))
             piece = await anext(pieces, None)
         if renderer.include_usage:
             await write(renderer.sse(renderer.usage_chunk(usage)))
@@ -177,14 +185,34 @@ async def _stream(
 class _Renderer:
     """Builds OpenAI response objects for one request."""
 
-    __slots__ = ("created", "endpoint", "include_usage", "model", "request_id")
+    __slots__ = (
+        "created",
+        "endpoint",
+        "has_sent_prompt_ids",
+        "include_usage",
+        "model",
+        "prompt_token_ids",
+        "request_id",
+    )
 
-    def __init__(self, endpoint: str, request_id: str, model: str, include_usage: bool) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.request_id = request_id
         self.model = model
         self.include_usage = include_usage
+        self.prompt_token_ids = prompt_token_ids  # set when the client asked for token ids
+        self.has_sent_prompt_ids = False
         self.created = int(time.time())
+
+    def wants_token_ids(self, token_ids: list[int]) -> bool:
+        return self.prompt_token_ids is not None and bool(token_ids)
 
     @staticmethod
     def sse(obj: dict[str, Any]) -> bytes:
@@ -193,7 +221,9 @@ class _Renderer:
     def _envelope(self, obj_type: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj_type, "created": self.created, "model": self.model}
 
-    def chunk(self, text: str, finish_reason: str | None, *, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        self, text: str, finish_reason: str | None, token_ids: list[int], *, role: bool = False
+    ) -> dict[str, Any]:
         if self.endpoint == "chat":
             out = self._envelope("chat.completion.chunk")
             delta: dict[str, Any] = (
@@ -203,9 +233,18 @@ class _Renderer:
         else:
             out = self._envelope("text_completion")
             out["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        self._add_token_ids(out, token_ids, first=role or self.endpoint != "chat")
         if self.include_usage:
             out["usage"] = None
         return out
+
+    def _add_token_ids(self, out: dict[str, Any], token_ids: list[int], *, first: bool) -> None:
+        if self.prompt_token_ids is None:
+            return
+        out["choices"][0]["token_ids"] = token_ids
+        if first and not self.has_sent_prompt_ids:
+            out["prompt_token_ids"] = self.prompt_token_ids
+            self.has_sent_prompt_ids = True  # once per response
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         out = self._envelope("chat.completion.chunk" if self.endpoint == "chat" else "text_completion")
@@ -213,7 +252,7 @@ class _Renderer:
         out["usage"] = usage_body(usage)
         return out
 
-    def final(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    def final(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int]) -> dict[str, Any]:
         if self.endpoint == "chat":
             out = self._envelope("chat.completion")
             out["choices"] = [
@@ -227,6 +266,7 @@ class _Renderer:
         else:
             out = self._envelope("text_completion")
             out["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        self._add_token_ids(out, token_ids, first=True)
         out["usage"] = usage_body(usage)
         return out
 

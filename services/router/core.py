@@ -10,12 +10,13 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.engines import EngineTable
+from services.router.kv_plan import KvPlanner
 from services.router.policy import EngineLoad, pick_least_loaded
 from services.router.prompts import PreparedPrompt
 from services.router.stops import StopMatcher
@@ -42,7 +43,7 @@ class Piece:
     """Text produced since the previous piece; the last piece carries the finish reason."""
 
     text: str
-    num_tokens: int
+    token_ids: list[int]
     finish_reason: str | None = None
 
 
@@ -64,7 +65,7 @@ class RouterCore:
         self.inflight = 0
         self.is_idle = asyncio.Event()
         self.is_idle.set()
-        self.kv_planner: Callable[[PreparedPrompt, str], asyncio.Future[dict] | None] | None = None
+        self.kv_planner: KvPlanner | None = None
 
     # ------------------------------------------------------------------------------------ bus inputs
 
@@ -222,10 +223,7 @@ class RouterCore:
     async def _kv_plan(self, prompt: PreparedPrompt, request_id: str) -> dict:
         if self.kv_planner is None:
             return {}
-        result = self.kv_planner(prompt, request_id)
-        if result is None:
-            return {}
-        return await result  # type: ignore[no-any-return]
+        return await self.kv_planner.plan(prompt, request_id)
 
     async def _pieces(
         self, stream: RequestStream, prompt: PreparedPrompt, deadline: float, usage: Usage, started: float
@@ -255,16 +253,17 @@ class RouterCore:
                 raise error_from_code(
                     last.error_code or "engine_failed", last.error_message or "engine error"
                 )
-            text, hit_stop = stops.feed(decoder.push([t for d in deltas for t in d.token_ids]))
+            token_ids = [t for d in deltas for t in d.token_ids]
+            text, hit_stop = stops.feed(decoder.push(token_ids))
             if hit_stop:
-                yield Piece(text, num_tokens, "stop")
+                yield Piece(text, token_ids, "stop")
                 return
             if finish is not None:
                 text += stops.feed(decoder.flush())[0] + stops.flush()
                 metrics.E2E.observe(now - started)
-                yield Piece(text, num_tokens, finish)
+                yield Piece(text, token_ids, finish)
                 return
-            yield Piece(text, num_tokens)
+            yield Piece(text, token_ids)
 
     async def _next_deltas(self, stream: RequestStream, deadline: float) -> list[TokenDelta]:
         """Wait for the next delta, then take every delta already queued (coalescing a slow reader)."""

@@ -49,6 +49,7 @@ class GenerationRequest:
     min_tokens: int = 0
     stream: bool = False
     include_usage: bool = False
+    return_token_ids: bool = False  # extension: prompt and output token ids in the response
     session_id: str = ""
 
 
@@ -149,6 +150,7 @@ def _common(body: dict[str, Any], endpoint: str, session_id: str) -> GenerationR
         min_tokens=_int(body, "min_tokens", 0, lo=0) or 0,
         stream=stream,
         include_usage=bool(options and _bool(options, "include_usage")),
+        return_token_ids=_bool(body, "return_token_ids"),
         session_id=session_id or (user or ""),
     )
 

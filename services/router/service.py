@@ -14,6 +14,7 @@ from services.router import handlers
 from services.router.api import ApiContext, add_api_routes
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
+from services.router.kv_plan import KvPlanner
 from shared.protocol import ServiceInfo
 from shared.service import Service
 
@@ -35,6 +36,16 @@ class RouterService(Service):
         self.tokenizer = load_tokenizer(self.spec.model_dir)
         self.model_name = config.served_model_name or self.spec.name
         self.core = RouterCore(config, self.bus, self.service_id)
+        if config.use_kv_cache:
+            from gpu.model_spec import default_dtype
+
+            fingerprint = self.spec.fingerprint(config.kv_dtype or default_dtype("cpu"), config.block_size)
+            self.core.kv_planner = KvPlanner(
+                self.bus,
+                fingerprint=fingerprint,
+                block_size=config.block_size,
+                timeout_s=config.index_timeout_s,
+            )
 
     def add_routes(self, app: web.Application) -> None:
         add_api_routes(

@@ -36,7 +36,7 @@ async def sse_events(resp: aiohttp.ClientResponse) -> list[Any]:
     events = []
     for block in body.split("\n\n")[:-1]:
         assert block.startswith("data: "), block
-        payload = block[len("data: "):]
+        payload = block[len("data: ") :]
         events.append(payload if payload == "[DONE]" else orjson.loads(payload))
     return events
 
@@ -55,8 +55,15 @@ async def test_completion_json(cluster: UpProcess, http: aiohttp.ClientSession) 
 
 
 async def test_completion_stream_with_usage(cluster: UpProcess, http: aiohttp.ClientSession) -> None:
-    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 6, "ignore_eos": True, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "prompt": "Hello",
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with http.post(f"{cluster.url}/v1/completions", json=body) as resp:
         assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
         events = await sse_events(resp)
@@ -96,8 +103,14 @@ async def test_openai_client_streams_chat_with_usage(cluster: UpProcess) -> None
 
     client = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
     stream = await client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "count"}], max_tokens=5, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        model="tiny",
+        messages=[{"role": "user", "content": "count"}],
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = [c async for c in stream]
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 5
@@ -115,22 +128,47 @@ async def test_openai_client_streams_chat_with_usage(cluster: UpProcess) -> None
         ("/v1/completions", b"{not json", "body", "invalid_request"),
         ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model", "model_not_found"),
         ("/v1/completions", {"model": "tiny", "prompt": 5}, "prompt", "invalid_request"),
-        ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "5"}, "max_tokens", "invalid_request"),
-        ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens", "invalid_request"),
-        ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 513}, "max_tokens", "invalid_request"),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": "x", "max_tokens": "5"},
+            "max_tokens",
+            "invalid_request",
+        ),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": "x", "max_tokens": 0},
+            "max_tokens",
+            "invalid_request",
+        ),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": "x", "max_tokens": 513},
+            "max_tokens",
+            "invalid_request",
+        ),
         ("/v1/completions", {"model": "tiny", "prompt": "x" * 9000}, "prompt", "context_length_exceeded"),
-        ("/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 8191}, "max_tokens",
-         "invalid_request"),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": [1, 2], "max_tokens": 8191},
+            "max_tokens",
+            "invalid_request",
+        ),
         ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages", "invalid_request"),
-        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                                  "temperature": "hot"}, "temperature", "invalid_request"),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+            "temperature",
+            "invalid_request",
+        ),
     ],
 )
-async def test_bad_input(cluster: UpProcess, http: aiohttp.ClientSession, path: str, body: Any, param: str,
-                         code: str) -> None:
+async def test_bad_input(
+    cluster: UpProcess, http: aiohttp.ClientSession, path: str, body: Any, param: str, code: str
+) -> None:
     data = body if isinstance(body, bytes) else orjson.dumps(body)
-    async with http.post(f"{cluster.url}{path}", data=data,
-                         headers={"Content-Type": "application/json"}) as resp:
+    async with http.post(
+        f"{cluster.url}{path}", data=data, headers={"Content-Type": "application/json"}
+    ) as resp:
         assert resp.status == 400
         err = (await resp.json())["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -138,8 +176,9 @@ async def test_bad_input(cluster: UpProcess, http: aiohttp.ClientSession, path: 
     assert err["message"]
 
 
-async def test_client_disconnect_aborts_and_frees_the_engine(cluster: UpProcess,
-                                                             http: aiohttp.ClientSession) -> None:
+async def test_client_disconnect_aborts_and_frees_the_engine(
+    cluster: UpProcess, http: aiohttp.ClientSession
+) -> None:
     engine_url = next(u for name, u in cluster.services.items() if name.startswith("engine"))
     body = {"model": "tiny", "prompt": "long", "max_tokens": 500, "ignore_eos": True, "stream": True}
     resp = await http.post(f"{cluster.url}/v1/completions", json=body)
@@ -153,8 +192,11 @@ async def test_client_disconnect_aborts_and_frees_the_engine(cluster: UpProcess,
 
 async def engine_idle(http: aiohttp.ClientSession, engine_url: str) -> bool:
     health = await (await http.get(f"{engine_url}/health")).json()
-    return health["num_running"] == 0 and health["num_waiting"] == 0 and (
-        health["free_kv_blocks"] == health["total_kv_blocks"])
+    return (
+        health["num_running"] == 0
+        and health["num_waiting"] == 0
+        and (health["free_kv_blocks"] == health["total_kv_blocks"])
+    )
 
 
 async def wait_until(check: Any, *, timeout_s: float) -> None:
@@ -177,7 +219,9 @@ async def test_greedy_output_equals_the_runtime(cluster: UpProcess, http: aiohtt
         [tok] = await runner.prefill([PrefillSeq("s", blocks, 0, prompt_ids, sampling=greedy)])
         out = [tok]
         for i in range(n_new - 1):
-            [tok] = await runner.decode([DecodeSeq("s", blocks, len(prompt_ids) + i, out[-1], sampling=greedy)])
+            [tok] = await runner.decode(
+                [DecodeSeq("s", blocks, len(prompt_ids) + i, out[-1], sampling=greedy)]
+            )
             out.append(tok)
         expected = runner.tokenizer.decode(out)
     finally:
@@ -194,6 +238,6 @@ def test_up_stops_everything(tmp_path: Path) -> None:
     children = psutil.Process(up.proc.pid).children(recursive=True)
     assert len(children) >= 3  # nats-server, router, engine
     assert up.stop() == 0
-    gone, alive = psutil.wait_procs(children, timeout=10)
+    _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"orphans: {alive}"
     assert not Path(up.info["tmp_dir"]).exists()

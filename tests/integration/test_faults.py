@@ -4,67 +4,15 @@ deadlines, and token coalescing on the bus."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-from shared.bus import Bus, Registry
-from shared.natsserver import NatsServer
-from shared.protocol import ErrorReply, ServiceInfo, TokenBatch, decode
-from tests.cluster import ServiceProcess
+from shared.bus import Bus
+from shared.protocol import ErrorReply, TokenBatch, decode
+from tests.cluster import Stack, wait_ready
 
 pytestmark = pytest.mark.slow
-
-
-async def wait_ready(bus: Bus, ids: set[str], procs: list[ServiceProcess], timeout_s: float = 60) -> dict:
-    """Every service registered as ready, and the router seeing every engine's load reports."""
-    registry: Registry[ServiceInfo] = Registry(bus, ttl_s=5.0)
-    await registry.open()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    num_engines = sum(1 for i in ids if i.startswith("engine"))
-    while True:
-        ready = {s.service_id: s for s in await registry.list() if s.status == "ready"}
-        if ids <= ready.keys() and await router_sees(ready["router-0"].http_url, num_engines):
-            return ready
-        for p in procs:
-            assert p.proc.poll() is None, p.log()
-        assert loop.time() < deadline, f"not ready: {ids - ready.keys()}"
-        await asyncio.sleep(0.1)
-
-
-async def router_sees(url: str, num_engines: int) -> bool:
-    async with aiohttp.ClientSession() as http, http.get(f"{url}/health") as resp:
-        return resp.status == 200 and (await resp.json())["engines"] >= num_engines
-
-
-class Stack:
-    def __init__(self, tmp: Path, nats: NatsServer, namespace: str) -> None:
-        self.tmp, self.nats, self.namespace = tmp, nats, namespace
-        self.procs: list[ServiceProcess] = []
-
-    def start(self, service: str, service_id: str, *args: str) -> ServiceProcess:
-        proc = ServiceProcess(
-            self.tmp, service, *args, nats_url=self.nats.url, namespace=self.namespace, service_id=service_id
-        )
-        self.procs.append(proc)
-        return proc
-
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
-
-
-@pytest.fixture
-async def stack(tmp_path: Path, nats_server: NatsServer, namespace: str) -> AsyncIterator[tuple[Stack, Bus]]:
-    s = Stack(tmp_path, nats_server, namespace)
-    bus = Bus(nats_server.url, namespace, name="test")
-    await bus.connect()
-    yield s, bus
-    await bus.close()
-    s.stop()
 
 
 ROUTER_ARGS = ("--http-port", "0", "--engine-silence-timeout-s", "1.0")

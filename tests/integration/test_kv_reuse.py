@@ -1,0 +1,144 @@
+"""Multi-turn KV reuse through the whole stack: `kvpath up` with storage and index, over HTTP."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from shared.bus import Bus
+from tests.cluster import Stack, UpProcess, wait_ready
+
+pytestmark = pytest.mark.slow
+BLOCK = 64
+
+
+@pytest.fixture(scope="module")
+def kv_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    tmp = tmp_path_factory.mktemp("kv")
+    up = UpProcess(tmp, "--kv-root", str(tmp / "store"))
+    up.kv_root = tmp / "store"
+    yield up
+    assert up.stop() == 0, up.log()
+
+
+@pytest.fixture(scope="module")
+def cold_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    up = UpProcess(tmp_path_factory.mktemp("cold"), "--no-kv-store")
+    yield up
+    assert up.stop() == 0, up.log()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        yield session
+
+
+async def complete(
+    http: aiohttp.ClientSession, url: str, prompt: list[int], n: int, session: str
+) -> dict[str, Any]:
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": n,
+        "ignore_eos": True,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    async with http.post(f"{url}/v1/completions", json=body, headers={"X-Session-Id": session}) as resp:
+        assert resp.status == 200, await resp.text()
+        return dict(await resp.json())
+
+
+async def run_session(http: aiohttp.ClientSession, url: str, seed: int) -> list[dict[str, Any]]:
+    """Three turns: each prompt = previous prompt + previous output + a fresh append."""
+    rng = random.Random(seed)
+    appends = [[rng.randrange(3, 250) for _ in range(n)] for n in (300, 90, 75)]
+    context: list[int] = []
+    results = []
+    for turn, append in enumerate(appends):
+        prompt = context + append
+        out = await complete(http, url, prompt, 37, f"s{seed}")
+        assert out["prompt_token_ids"] == prompt
+        results.append({"prompt": prompt, "out": out})
+        context = prompt + out["choices"][0]["token_ids"]
+        assert len(out["choices"][0]["token_ids"]) == 37, turn
+    return results
+
+
+async def test_three_turn_session_hits_and_matches_recompute(
+    kv_cluster: UpProcess, cold_cluster: UpProcess, http: aiohttp.ClientSession
+) -> None:
+    warm = await run_session(http, kv_cluster.url, seed=1)
+    cold = await run_session(http, cold_cluster.url, seed=1)
+    for turn in (1, 2):
+        prev = warm[turn - 1]
+        # the previous turn's context whose KV exists: its prompt and all output tokens but the last
+        prev_context = len(prev["prompt"]) + len(prev["out"]["choices"][0]["token_ids"]) - 1
+        cached = warm[turn]["out"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= prev_context // BLOCK * BLOCK, (turn, cached, prev_context)
+        assert cached % BLOCK == 0 and cached < len(warm[turn]["prompt"])
+    assert warm[0]["out"]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for w, c in zip(warm, cold, strict=True):
+        assert w["out"]["choices"][0]["token_ids"] == c["out"]["choices"][0]["token_ids"]
+    assert all(c["out"]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for c in cold)
+
+
+def corrupt_block_file(store: Path, prompt: list[int], block: int) -> None:
+    """Flip the payload tail of one stored block (header intact): only its checksum can catch it."""
+    from gpu.model_spec import load_model_spec
+    from shared.hashing import block_hashes, fingerprint_seed
+
+    fingerprint = load_model_spec("tiny").fingerprint("float32", BLOCK)
+    name = f"{block_hashes(prompt, BLOCK, fingerprint)[block]:016x}"
+    path = store / f"{fingerprint_seed(fingerprint):016x}" / name[:2] / name[2:4] / f"{name}.blk"
+    with open(path, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        f.write(b"\xff" * 100)
+
+
+async def test_corrupt_block_is_a_partial_miss_not_a_failure(
+    kv_cluster: UpProcess, http: aiohttp.ClientSession
+) -> None:
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, 250) for _ in range(400)]
+    first = await complete(http, kv_cluster.url, prompt, 5, "c")
+    again = await complete(http, kv_cluster.url, prompt, 5, "c")
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 384
+    corrupt_block_file(kv_cluster.kv_root, prompt, block=3)
+    third = await complete(http, kv_cluster.url, prompt, 5, "c")
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 192  # blocks 0-2; 3 is bad
+    assert third["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    # the corrupt file was dropped and block 3 persisted again by the recompute
+    fourth = await complete(http, kv_cluster.url, prompt, 5, "c")
+    assert fourth["usage"]["prompt_tokens_details"]["cached_tokens"] == 384
+
+
+async def test_storage_down_still_serves(stack: tuple[Stack, Bus], tmp_path: Path) -> None:
+    s, bus = stack
+    s.start("index", "index-0")
+    storage = s.start("storage", "storage-0", "--root", str(tmp_path / "store"))
+    s.start("engine", "engine-0")
+    s.start("router", "router-0", "--http-port", "0")
+    ready = await wait_ready(bus, {"index-0", "storage-0", "engine-0", "router-0"}, s.procs)
+    url = ready["router-0"].http_url
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        prompt = list(range(3, 203))
+        first = await complete(http, url, prompt, 4, "d")
+        assert (await complete(http, url, prompt, 4, "d"))["usage"]["prompt_tokens_details"][
+            "cached_tokens"
+        ] == 192
+        storage.kill()
+        again = await complete(http, url, prompt, 4, "d")
+        assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        async with http.get(f"{ready['engine-0'].http_url}/metrics") as resp:
+            metrics = await resp.text()
+    assert 'kvpath_engine_kv_load_misses_total{reason="service_unavailable"}' in metrics
+    assert "kvpath_engine_kv_persist_failures_total{" in metrics
