@@ -20,11 +20,20 @@ from gpu.batch import ForwardBatch, SeqSpan
 from gpu.layers import Linear, rms_norm
 from gpu.rope import apply_rotary
 
+SCORE_ELEMENTS = 1 << 24  # bound on one [heads, queries, keys] score chunk of absorbed MLA prefill
+
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kwargs: object) -> torch.Tensor:
     """q [B, H, n, d], k [B, Hkv, S, d], v [B, Hkv, S, dv] -> [B, H, n, dv]."""
     gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa, **kwargs)  # type: ignore[arg-type]
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, computed in fp32 for half-precision scores."""
+    if scores.dtype == torch.float32:
+        return scores.softmax(dim=-1)
+    return scores.softmax(dim=-1, dtype=torch.float32).to(scores.dtype)
 
 
 def _causal_mask(span: SeqSpan, device: torch.device) -> torch.Tensor:
@@ -55,7 +64,7 @@ class KVLayer:
         return self._gather(span.block_table).flatten(0, 1)[: span.context_len]
 
     def padded_contexts(self, batch: ForwardBatch) -> torch.Tensor:
-        """[B, max_blocks * block_size, kv_dim] for decode (padding rows masked by batch.key_mask)."""
+        """[B, max_blocks * block_size, kv_dim] for decode (padding rows masked by batch.key_bias)."""
         assert batch.block_tables is not None
         return self._gather(batch.block_tables).view(batch.block_tables.shape[0], -1, self.flat.shape[1])
 
@@ -93,8 +102,11 @@ class GqaAttention:
         return rows[..., :half].view(shape).transpose(-3, -2), rows[..., half:].view(shape).transpose(-3, -2)
 
     def _decode(self, q: torch.Tensor, batch: ForwardBatch, kv: KVLayer) -> torch.Tensor:
+        # the query heads sharing a KV head become that head's query rows (one position per sequence, so
+        # they share the mask): no GQA expansion of K/V
         k, v = self._split(kv.padded_contexts(batch))
-        out = _sdpa(q[:, :, None, :], k, v, self.scale, attn_mask=batch.key_mask)
+        q = q.view(q.shape[0], self.num_kv_heads, -1, self.head_dim)
+        out = _sdpa(q, k, v, self.scale, attn_mask=batch.key_bias)
         return out.reshape(q.shape[0], -1)
 
     def _prefill_one(
@@ -166,10 +178,31 @@ class MlaAttention:
     def _decode(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, kv: KVLayer
     ) -> torch.Tensor:
-        query = self._absorb(q_nope, q_pe).transpose(0, 1)[:, :, None, :]  # [B, H, 1, rank + rope]
-        rows = kv.padded_contexts(batch)[:, None]  # [B, 1, S, rank + rope]: one shared head
-        out = _sdpa(query, rows, rows[..., : self.rank], self.scale, attn_mask=batch.key_mask)
-        return self._unabsorb(out[:, :, 0].transpose(0, 1))
+        assert batch.key_bias is not None
+        query = self._absorb(q_nope, q_pe).transpose(0, 1)  # [B, H, rank + rope]
+        rows = kv.padded_contexts(batch)  # [B, S, rank + rope]: one key/value head shared by all heads
+        bias = batch.key_bias.view(rows.shape[0], 1, rows.shape[1])
+        scores = torch.baddbmm(bias, query, rows.transpose(1, 2), alpha=self.scale)
+        out = torch.bmm(_softmax(scores), rows[..., : self.rank])  # [B, H, rank]
+        return self._unabsorb(out.transpose(0, 1))
+
+    def _absorbed_attention(self, query: torch.Tensor, context: torch.Tensor, span: SeqSpan) -> torch.Tensor:
+        """query [H, n, rank + rope] against one sequence's rows [ctx, rank + rope] -> [H, n, rank]; heads
+        in chunks so the score matrix stays under SCORE_ELEMENTS."""
+        bias = torch.zeros(span.num_new, span.context_len, device=query.device, dtype=query.dtype)
+        bias.masked_fill_(~_causal_mask(span, query.device), float("-inf"))
+        heads_per_chunk = max(1, SCORE_ELEMENTS // (span.num_new * span.context_len))
+        outs = []
+        for head in range(0, self.num_heads, heads_per_chunk):
+            chunk = query[head : head + heads_per_chunk]
+            scores = torch.baddbmm(
+                bias.expand(chunk.shape[0], -1, -1),
+                chunk,
+                context.T.expand(chunk.shape[0], -1, -1),
+                alpha=self.scale,
+            )
+            outs.append(torch.matmul(_softmax(scores), context[:, : self.rank]))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _is_absorbed_cheaper(self, span: SeqSpan) -> bool:
         if self.prefill_mode != "auto":
@@ -186,13 +219,12 @@ class MlaAttention:
     ) -> torch.Tensor:
         rows = slice(span.start, span.start + span.num_new)
         context = kv.context(span)  # [ctx, rank + rope]
+        if self._is_absorbed_cheaper(span):
+            return self._unabsorb(
+                self._absorbed_attention(self._absorb(q_nope[rows], q_pe[rows]), context, span)
+            )
         mask = None if span.num_cached == 0 else _causal_mask(span, q_nope.device)
         causal = {"is_causal": True} if mask is None else {"attn_mask": mask}
-        if self._is_absorbed_cheaper(span):
-            query = self._absorb(q_nope[rows], q_pe[rows])[None]
-            keys = context[None, None]
-            out = _sdpa(query, keys, keys[..., : self.rank], self.scale, **causal)
-            return self._unabsorb(out[0])
         expanded = F.linear(context[:, : self.rank], self.kv_b_weight).view(
             span.context_len, self.num_heads, self.nope_dim + self.v_dim
         )

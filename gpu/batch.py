@@ -41,7 +41,7 @@ class ForwardBatch:
     is_decode: bool
     spans: list[SeqSpan] = field(default_factory=list)  # prefill
     block_tables: torch.Tensor | None = None  # decode: [B, max_blocks]
-    key_mask: torch.Tensor | None = None  # decode: [B, 1, 1, max_blocks * block_size], True = attend
+    key_bias: torch.Tensor | None = None  # decode: [B, 1, 1, max_blocks * block_size], 0 or -inf (padding)
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +121,7 @@ def build_decode_batch(
     seqs: Sequence[tuple[Sequence[int], int, int]],
     *,
     device: torch.device,
+    dtype: torch.dtype,
 ) -> ForwardBatch:
     """`seqs`: (block_ids, num_cached_tokens, token_id); the token sits at position num_cached_tokens."""
     batch_size = len(seqs)
@@ -134,7 +135,7 @@ def build_decode_batch(
         tables[i, :used] = block_ids[:used]
         rows[i] = _slot_rows(geom, tables[i, :used], np.asarray([num_cached]))[0]
     key_positions = np.arange(max_blocks * geom.block_size)
-    mask = key_positions[None, :] < context_lens[:, None]
+    bias = np.where(key_positions[None, :] < context_lens[:, None], 0.0, -np.inf).astype(np.float32)
     batch = _finish(
         geom,
         rotary,
@@ -147,7 +148,7 @@ def build_decode_batch(
     )
     batch.is_decode = True
     batch.block_tables = torch.from_numpy(tables).to(device)
-    batch.key_mask = torch.from_numpy(mask[:, None, None, :]).to(device)
+    batch.key_bias = torch.from_numpy(bias[:, None, None, :]).to(device=device, dtype=dtype)
     return batch
 
 

@@ -204,7 +204,9 @@ class ModelRunner:
         if not seqs:
             raise InvalidRequestError("decode of an empty batch")
         plan = [(s.block_ids, s.num_cached_tokens, s.token_id) for s in seqs]
-        batch = build_decode_batch(self._geometry, self.model.rotary, plan, device=self.model.device)
+        batch = build_decode_batch(
+            self._geometry, self.model.rotary, plan, device=self.model.device, dtype=self.model.dtype
+        )
         return self.model.forward(batch, self.kv.tensor)
 
     # ---------------------------------------------------------------------------------------- lifecycle

@@ -80,19 +80,20 @@ class Tokenizer:
 class IncrementalDecoder:
     """Streams text token by token. Decodes a short window of already-emitted tokens together with the new
     ones so that tokenizers whose pieces depend on their left neighbour (leading spaces) come out right, and
-    holds back text that ends in an incomplete UTF-8 character."""
+    holds back trailing U+FFFD (an incomplete UTF-8 character) until its remaining bytes arrive."""
 
-    __slots__ = ("_ids", "_prefix_offset", "_read_offset", "_skip_special", "_tokenizer")
+    __slots__ = ("_ids", "_pending_chars", "_prefix_offset", "_read_offset", "_skip_special", "_tokenizer")
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the context window (already emitted)
-        self._read_offset = 0  # end of what has been emitted
+        self._read_offset = 0  # end of the committed, fully emitted tokens
+        self._pending_chars = 0  # chars emitted from tokens after _read_offset (before an incomplete char)
 
     def push(self, token_ids: Sequence[int]) -> str:
-        """New text since the last push ("" while a multi-byte character is incomplete)."""
+        """New text since the last push ("" while only an incomplete character is new)."""
         self._ids.extend(token_ids)
         return self._emit(is_final=False)
 
@@ -100,21 +101,25 @@ class IncrementalDecoder:
         """Whatever is held back (an incomplete character decodes as U+FFFD)."""
         return self._emit(is_final=True)
 
-    def _emit(self, *, is_final: bool) -> str:
-        decode = self._tokenizer.decode
-        prefix = decode(
-            self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip_special
-        )
-        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip_special)
-        if len(full) <= len(prefix) or (full.endswith(REPLACEMENT_CHAR) and not is_final):
-            if is_final:
-                self._advance()
-            return ""
-        self._advance()
-        return full[len(prefix) :]
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
-    def _advance(self) -> None:
+    def _emit(self, *, is_final: bool) -> str:
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        is_incomplete = full.endswith(REPLACEMENT_CHAR) and not is_final
+        stable = full.rstrip(REPLACEMENT_CHAR) if is_incomplete else full
+        start = len(prefix) + self._pending_chars
+        new_text = stable[start:] if len(stable) > start else ""
+        if is_incomplete:
+            self._pending_chars += len(new_text)
+        else:
+            self._commit()
+        return new_text
+
+    def _commit(self) -> None:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._pending_chars = 0
         if self._prefix_offset > 0:  # keep only the context window
             del self._ids[: self._prefix_offset]
             self._read_offset -= self._prefix_offset

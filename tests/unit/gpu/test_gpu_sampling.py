@@ -1,0 +1,108 @@
+"""Sampling: greedy, temperature, top-p, bans, and reproducibility per request seed."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq
+from gpu.sampling import Sampler, SampleRequest, SamplingOptions
+
+
+def logits_batch(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def draw(sampler: Sampler, logits: torch.Tensor, options: list[SamplingOptions], ids: list[str]) -> list[int]:
+    return sampler.sample(logits.clone(), [SampleRequest(i, o) for i, o in zip(ids, options, strict=True)])
+
+
+def test_temperature_zero_is_greedy() -> None:
+    logits = logits_batch(6)
+    tokens = draw(Sampler(), logits, [SamplingOptions(temperature=0.0)] * 6, list("abcdef"))
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_tiny_top_p_is_greedy() -> None:
+    logits = logits_batch(6, seed=1)
+    sampler = Sampler()
+    for _ in range(20):
+        tokens = draw(sampler, logits, [SamplingOptions(temperature=1.5, top_p=1e-6)] * 6, list("abcdef"))
+        assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_top_p_keeps_the_nucleus_only() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    sampler = Sampler()
+    seen = {draw(sampler, logits, [SamplingOptions(top_p=0.75, seed=3)], ["r"])[0] for _ in range(300)}
+    assert seen == {0, 1}  # 0.5 + 0.3 reaches 0.75; tokens 2 and 3 are cut
+
+
+def test_sampling_follows_the_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    sampler = Sampler()
+    counts = torch.zeros(3)
+    for _ in range(2000):
+        counts[draw(sampler, logits, [SamplingOptions(seed=11)], ["r"])[0]] += 1
+    assert torch.allclose(counts / counts.sum(), torch.tensor([0.7, 0.2, 0.1]), atol=0.05)
+
+
+def test_same_seed_same_tokens_regardless_of_batch() -> None:
+    logits = logits_batch(4, seed=2)
+    seeded = SamplingOptions(temperature=1.0, seed=42)
+    alone = Sampler()
+    solo = [draw(alone, logits[1:2], [seeded], ["x"])[0] for _ in range(10)]
+    mixed = Sampler()  # the seeded request shares every batch with unseeded ones
+    together = [
+        draw(mixed, logits, [SamplingOptions(), seeded, SamplingOptions(), SamplingOptions()], list("axbc"))[
+            1
+        ]
+        for _ in range(10)
+    ]
+    assert solo == together
+    assert len(set(solo)) > 1  # it really samples
+    other_seed = Sampler()
+    different = [draw(other_seed, logits[1:2], [SamplingOptions(seed=7)], ["x"])[0] for _ in range(10)]
+    assert different != solo
+
+
+def test_release_restarts_the_generator() -> None:
+    logits = logits_batch(1, seed=3)
+    sampler = Sampler()
+    first = [draw(sampler, logits, [SamplingOptions(seed=5)], ["x"])[0] for _ in range(8)]
+    sampler.release("x")
+    assert [draw(sampler, logits, [SamplingOptions(seed=5)], ["x"])[0] for _ in range(8)] == first
+
+
+def test_banned_tokens_are_never_chosen() -> None:
+    logits = logits_batch(2, seed=4)
+    best = logits.argmax(dim=-1).tolist()
+    requests = [
+        SampleRequest("g", SamplingOptions(temperature=0.0), [best[0], 10_000]),  # out-of-vocab ids ignored
+        SampleRequest("s", SamplingOptions(temperature=0.7), list(range(0, 50, 2))),
+    ]
+    sampler = Sampler()
+    for _ in range(50):
+        greedy, sampled = sampler.sample(logits.clone(), requests)
+        assert greedy != best[0]
+        assert sampled % 2 == 1
+
+
+async def test_runner_same_seed_same_generation(tiny_runner: ModelRunner) -> None:
+    options = SamplingOptions(temperature=1.0, top_p=0.9, seed=1234)
+
+    async def generate(seq_id: str) -> list[int]:
+        ids = tiny_runner.tokenizer.encode("seeded")
+        blocks = tiny_runner.kv.allocate(1)
+        try:
+            token = (await tiny_runner.prefill([PrefillSeq(seq_id, blocks, 0, ids, sampling=options)]))[0]
+            out = [int(token or 0)]
+            for step in range(10):
+                decode = DecodeSeq(seq_id, blocks, len(ids) + step, out[-1], sampling=options)
+                out.append((await tiny_runner.decode([decode]))[0])
+            return out
+        finally:
+            tiny_runner.release(seq_id)
+            tiny_runner.kv.free(blocks)
+
+    first, second = await generate("a"), await generate("b")
+    assert first == second
