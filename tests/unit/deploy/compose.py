@@ -13,6 +13,7 @@ import yaml
 from tests.unit.deploy.kvpath_cli import DEPLOY, PROJECT_IMAGE, ParsedService, parse_kvpath, split_image
 
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+GPU_OVERRIDE = DEPLOY / "docker-compose.gpu.yml"
 # ports the official images listen on (what a published port or a URL may point at)
 OFFICIAL_PORTS = {
     "nats": {4222, 8222},
@@ -33,8 +34,20 @@ class Compose:
         return {name: p for name, p in self.kvpath.items() if p.service == service}
 
 
-def load_compose(path: Path = COMPOSE_FILE) -> Compose:
-    data = yaml.safe_load(path.read_text())
+def merge(base: Any, override: Any) -> Any:
+    """Compose's merge of an override file: mappings merge key by key, anything else is replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {k: merge(base[k], v) if k in base else v for k, v in override.items()} | {
+            k: v for k, v in base.items() if k not in override
+        }
+    return override
+
+
+def load_compose(*paths: Path) -> Compose:
+    """docker-compose.yml, with any override files (`-f a.yml -f b.yml`) merged over it in order."""
+    data: dict[str, Any] = {}
+    for path in paths or (COMPOSE_FILE,):
+        data = merge(data, yaml.safe_load(path.read_text()))
     services = data.get("services") or {}
     kvpath = {
         name: parse_kvpath(command(svc), env=environment(svc))

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from tests.unit.deploy.compose import (
+    COMPOSE_FILE,
+    GPU_OVERRIDE,
     OFFICIAL_PORTS,
     Compose,
     depends_on,
@@ -32,9 +34,10 @@ CONDITIONS = ("service_started", "service_healthy", "service_completed_successfu
 HEALTHCHECK_SCRIPT = "/opt/kvpath/healthcheck.py"
 
 
-@pytest.fixture(scope="module")
-def compose() -> Compose:
-    return load_compose()
+@pytest.fixture(scope="module", params=["cpu", "gpu"])
+def compose(request: pytest.FixtureRequest) -> Compose:
+    """The dev cluster as `docker compose` sees it, alone and with the GPU override file."""
+    return load_compose(COMPOSE_FILE) if request.param == "cpu" else load_compose(COMPOSE_FILE, GPU_OVERRIDE)
 
 
 def test_cluster_runs_the_dualpath_topology(compose: Compose) -> None:
@@ -84,7 +87,24 @@ def test_images_are_the_project_image_or_tagged_official_images(compose: Compose
         context = (DEPLOY / build["context"]).resolve()
         assert context == REPO, "build context is the repository root"
         assert (context / build["dockerfile"]).is_file()
-        assert build.get("args", {}).get("VARIANT", "cpu") in ("cpu", "cuda")
+    tags = {
+        (split_image(svc["image"])[1], svc["build"].get("args", {}).get("VARIANT", "cpu"))
+        for svc in compose.services.values()
+        if is_project_image(svc)
+    }
+    assert len(tags) == 1, f"every kvpath container runs the same image: {tags}"
+    ((tag, variant),) = tags
+    assert variant in ("cpu", "cuda") and tag.endswith(variant), f"image {tag} built as VARIANT={variant}"
+
+
+def test_gpu_override_gives_each_engine_a_gpu() -> None:
+    compose = load_compose(COMPOSE_FILE, GPU_OVERRIDE)
+    for name, parsed in compose.kvpath.items():
+        devices = compose.services[name].get("deploy", {}).get("resources", {}).get("reservations", {})
+        gpus = [d for d in devices.get("devices", []) if "gpu" in d.get("capabilities", [])]
+        assert bool(gpus) == (parsed.service == "engine"), name
+        if parsed.service == "engine":
+            assert parsed.config.device == "cuda", name
 
 
 def test_depends_on_names_existing_services_with_healthchecks(compose: Compose) -> None:
