@@ -50,9 +50,8 @@ class ReplayConfig:
     max_concurrency: int = doc(0, "most requests in flight at once; 0: unlimited")
     skip: int = doc(0, "skip this many sessions (agents, requests) at the start of the trace")
     limit: int = doc(0, "use at most this many sessions after --skip; 0: all")
-    agents: int = doc(
-        0, "sessions to run, cycling the slice with fresh content when larger; 0: the slice once"
-    )
+    agents: int = doc(0, "sessions to run, cycling the slice with fresh content if larger; 0: the slice once")
+    max_turns: int = doc(0, "send at most this many turns of each session; 0: all")
     arrivals: str = doc("auto", "online arrivals: poisson (--rate), trace (timestamps) or auto")
     rate: float = doc(0.0, "online: Poisson agent (session) arrivals per second")
     duration_s: float = doc(0.0, "online: stop new arrivals after this long; 0: when the sessions run out")
@@ -93,7 +92,15 @@ class ReplayConfig:
             check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         for name in ("tool_scale", "rate", "duration_s", "ttft_slo_s", "tpot_slo_s"):
             check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
-        for name in ("max_concurrency", "skip", "limit", "agents", "max_context", "min_token_id"):
+        for name in (
+            "max_concurrency",
+            "skip",
+            "limit",
+            "agents",
+            "max_turns",
+            "max_context",
+            "min_token_id",
+        ):
             check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         check(self.vocab_size >= 2, "vocab_size", self.vocab_size, "must be >= 2")
         check(

@@ -80,10 +80,10 @@ def session_source(trace: Trace, config: ReplayConfig, salt: int, run_tag: str) 
         traj_arrivals = [None if t.arrival_s is None else t.arrival_s * scale for t in trajs]
 
         def build_traj(i: int, o: RenderOptions, cycle: int) -> SessionScript:
-            t = _scaled(trajs[i], config.length_scale)
+            t = _scaled(trajs[i], config.length_scale, config.max_turns)
             return TrajectoryScript(t, sid(t.agent_id, cycle), o)
 
-        calls = sum(len(t.rounds) for t in trajs)
+        calls = sum(min(len(t.rounds), config.max_turns or len(t.rounds)) for t in trajs)
         return SessionSource(len(trajs), calls, build_traj, traj_arrivals, opts)
     if isinstance(trace, BlockTrace):
         reqs = _slice(trace.requests, config.skip, end)
@@ -120,11 +120,17 @@ def _messages_source(
     arrivals = [s.calls[0].arrival_s for s in sessions]
     scaled = [None if a is None else a * config.time_scale for a in arrivals]
 
+    turns = config.max_turns
+
     def build(i: int, o: RenderOptions, cycle: int) -> SessionScript:
         del o
-        return MessagesScript(sessions[i], sid(sessions[i].session_id, cycle), outputs[i], scaled[i])
+        session = (
+            sessions[i] if not turns else dataclasses.replace(sessions[i], calls=sessions[i].calls[:turns])
+        )
+        return MessagesScript(session, sid(session.session_id, cycle), outputs[i], scaled[i])
 
-    return SessionSource(len(sessions), sum(len(s.calls) for s in sessions), build, scaled, opts)
+    calls = sum(min(len(s.calls), turns or len(s.calls)) for s in sessions)
+    return SessionSource(len(sessions), calls, build, scaled, opts)
 
 
 def _slice(items: Sequence[T], skip: int, end: int | None) -> list[T]:
@@ -134,8 +140,11 @@ def _slice(items: Sequence[T], skip: int, end: int | None) -> list[T]:
     return chosen
 
 
-def _scaled(traj: Trajectory, factor: float) -> Trajectory:
-    """The trajectory with appends and generations multiplied by `factor` (explicit ids are kept)."""
+def _scaled(traj: Trajectory, factor: float, max_turns: int = 0) -> Trajectory:
+    """The first `max_turns` rounds (0: all), appends and generations multiplied by `factor` (explicit ids
+    are kept)."""
+    if max_turns and len(traj.rounds) > max_turns:
+        traj = dataclasses.replace(traj, rounds=traj.rounds[:max_turns])
     if factor == 1.0:
         return traj
     rounds = [

@@ -99,8 +99,17 @@ def dualpath_lengths(shape: DualPathShape, n: int, seed: int) -> list[Lengths]:
         appends = np.empty(t)
         appends[0] = firsts[k]
         appends[1:] = (totals[k] - firsts[k] - gens.sum()) * weights / weights.sum()
-        out.append((round_lengths(appends, 1), gens.astype(np.int64)))
+        out.append(_fit_max_len(round_lengths(appends, 1), gens.astype(np.int64), shape.max_len))
     return out
+
+
+def _fit_max_len(appends: npt.NDArray[np.int64], gens: npt.NDArray[np.int64], max_len: int) -> Lengths:
+    """Take what rounding put over `max_len` off the largest append (or end the trajectory earlier)."""
+    excess = int(appends.sum() + gens.sum()) - max_len
+    if excess > 0:
+        largest = int(np.argmax(appends))
+        appends[largest] = max(1, int(appends[largest]) - excess)
+    return truncate(appends, gens, max_len)
 
 
 def _lognormal_unit(z: npt.NDArray[np.float64], cv: float) -> npt.NDArray[np.float64]:
