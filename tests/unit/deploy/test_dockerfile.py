@@ -6,6 +6,7 @@ import fnmatch
 import json
 import re
 import shlex
+import stat
 import subprocess
 import sys
 import threading
@@ -219,3 +220,18 @@ def test_healthcheck_script_follows_the_service_health(health_server: ThreadingH
     health_server.shutdown()
     health_server.server_close()
     assert _healthcheck("--port", port, "--timeout-s", "1") == 1
+
+
+def test_embedded_models_are_baked_readable_for_the_service_user(tmp_path: Path) -> None:
+    """Run the image's model-baking commands: the non-root user must be able to read what root wrote."""
+    (run,) = [rest for op, rest in instructions() if op == "RUN" and "resolve_model" in rest]
+    bake = run[run.index("python -c") :].replace("python -c", shlex.quote(sys.executable) + " -c", 1)
+    cache = tmp_path / "models"
+    env = {"KVPATH_MODEL_CACHE": str(cache), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    subprocess.run(["sh", "-c", bake], env=env, cwd="/", check=True, timeout=120)
+    paths = [cache, *cache.rglob("*")]
+    assert any(p.name == "config.json" for p in paths), "tiny and tiny-mla written"
+    for path in paths:
+        mode = path.stat().st_mode
+        assert mode & stat.S_IROTH, f"{path} unreadable for uid 10001"
+        assert not path.is_dir() or mode & stat.S_IXOTH, f"{path} not searchable for uid 10001"
