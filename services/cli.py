@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 # modules with `register(subparsers)` adding top-level subcommands
-_COMMAND_MODULES = ("services.launcher", "gpu.commands")
+_COMMAND_MODULES = ("services.launcher", "gpu.commands", "loadgen.cli")
 # modules with `register_bench(subparsers)` adding `kvpath bench <name>`
 _BENCH_MODULES: tuple[str, ...] = ("gpu.commands", "shared.transport.bench")
 # `kvpath serve <name>` runs `<module>.main(argv)`
