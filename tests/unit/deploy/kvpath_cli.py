@@ -115,6 +115,16 @@ def env_problems(service: str, env: Mapping[str, str]) -> list[str]:
     ]
 
 
+def loopback_binds(config: Any) -> list[str]:
+    """Listening addresses of `config` (http_host, *bind_host) that other containers could not reach."""
+    return [
+        f"{f.name}={getattr(config, f.name)!r}"
+        for f in dataclasses.fields(config)
+        if (f.name == "http_host" or f.name.endswith("bind_host"))
+        and getattr(config, f.name) not in ("0.0.0.0", "::", "")
+    ]
+
+
 def _argparse(call: Callable[[], T], what: str) -> T:
     err = io.StringIO()
     try:

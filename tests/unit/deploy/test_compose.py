@@ -26,6 +26,7 @@ from tests.unit.deploy.kvpath_cli import (
     REPO,
     ManifestError,
     image_problem,
+    loopback_binds,
     parse_kvpath,
     split_image,
 )
@@ -57,7 +58,7 @@ def test_kvpath_services_bind_all_interfaces_on_fixed_ports_with_fixed_ids(compo
     ids = []
     for name, parsed in compose.kvpath.items():
         env = environment(compose.services[name])
-        assert parsed.config.http_host == "0.0.0.0", name
+        assert loopback_binds(parsed.config) == [], f"{name}: bind every interface in a container"
         assert parsed.config.http_port > 0, f"{name}: a fixed port for healthchecks and Prometheus"
         assert env.get("KVPATH_SERVICE_ID"), f"{name}: KVPATH_SERVICE_ID must be fixed"
         assert {"KVPATH_NATS_URL", "KVPATH_NAMESPACE"} <= env.keys(), name
@@ -195,6 +196,8 @@ def test_engines_join_their_node_storage_ipc_namespace(compose: Compose) -> None
         assert compose.services[name].get("ipc") == f"service:{storage}", name
         assert compose.services[storage].get("ipc") == "shareable", storage
         assert compose.services[storage].get("shm_size"), f"{storage}: /dev/shm holds the node buffer"
+        # peers reach the engine's KV receiver at the host name it announces
+        assert compose.services[name].get("hostname") == name, f"{name}: hostname resolvable by peers"
 
 
 def test_mounted_files_and_named_volumes_exist(compose: Compose) -> None:

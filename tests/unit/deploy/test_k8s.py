@@ -32,6 +32,7 @@ from tests.unit.deploy.kvpath_cli import (
     config_class,
     field_names,
     image_problem,
+    loopback_binds,
     parse_kvpath,
     service_modules,
 )
@@ -103,7 +104,7 @@ def test_images_are_the_project_image_or_tagged_official_images(deployment: Depl
 def test_probes_and_ports_point_at_the_service_port(deployment: Deployment) -> None:
     for c in deployment.kvpath:
         config = c.parsed.config
-        assert config.http_host == "0.0.0.0", c.name
+        assert loopback_binds(config) == [], f"{c.name}: bind every interface in a container"
         ports = [p["containerPort"] for p in c.container.get("ports") or []]
         assert config.http_port in ports, f"{c.name}: listens on {config.http_port}, declares {ports}"
         for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
@@ -173,6 +174,8 @@ def test_node_pods_share_shm_and_node_number(deployment: Deployment) -> None:
         shm = [_mount_of(engine.workload, c.container, "/dev/shm") for c in (engine, storage)]
         assert shm[0] is not None and shm[0] is shm[1], f"{engine.name}: share the pod's /dev/shm volume"
         assert shm[0]["emptyDir"]["medium"] == "Memory"
+        # peers reach the engine KV receiver at the name it announces: its FQDN under the headless Service
+        assert engine.workload.pod.get("setHostnameAsFQDN") is True, engine.name
     nodes = [c.parsed.config.node for c in deployment.by_service("storage")]
     assert len(nodes) == len(set(nodes)), f"one storage service per node: {nodes}"
     ranges = []
