@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import functools
+import logging
 from typing import Any
 
 from shared.errors import TransportError
@@ -29,6 +30,8 @@ from shared.transport.rdma_verbs import RcQueuePair, RdmaDevice, buffer_address,
 from shared.transport.region import Region
 from shared.transport.sockio import as_bytes_view
 from shared.transport.wire import U32_MAX
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -102,7 +105,10 @@ class RdmaReceiverSide:
     def release(self, conn: Any) -> None:
         queue_pair, conn.rdma = conn.rdma, None
         if queue_pair is not None:
-            queue_pair.close()
+            try:
+                queue_pair.close()
+            except Exception:
+                log.exception("kv receiver: could not destroy the RDMA queue pair of %s", conn.peer_id)
 
     def close(self) -> None:
         self.device.close()
@@ -196,7 +202,10 @@ class RdmaMover(Mover):
             raise
         except BaseException:
             # deadline or cancellation with work requests in flight: flush them before their memory goes
-            self._qp.to_error()
+            try:
+                self._qp.to_error()
+            except Exception:
+                log.exception("kv sender: could not move the RDMA queue pair to the error state")
             self.channel.break_("RDMA write interrupted; queue pair flushed")
             raise
         finally:
