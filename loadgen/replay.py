@@ -63,7 +63,11 @@ class Replayer:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> RunState:
-        driver = self._offline() if self.config.mode == "offline" else self._online()
+        """Run to the end (or a stop) and return what was measured; bad arrival options raise first."""
+        if self.config.mode == "online":
+            driver = self._online(self._arrival_clock())
+        else:
+            driver = self._offline()
         main = asyncio.create_task(driver)
         watcher = asyncio.create_task(self._watch())
         stopped = asyncio.create_task(self.stop.wait())
@@ -95,9 +99,10 @@ class Replayer:
             self._start(index)
         await self._drain()
 
-    async def _online(self) -> None:
-        arrival = self._arrival_clock()
-        count = self.config.agents or (None if self.config.arrivals == "poisson" else self.source.size)
+    async def _online(self, arrival: Callable[[int], float]) -> None:
+        # Poisson arrivals with a duration cycle the slice until the duration; otherwise the slice runs once
+        unlimited = self._uses_poisson() and self.config.duration_s > 0
+        count = self.config.agents or (None if unlimited else self.source.size)
         index = 0
         while count is None or index < count:
             at_s = arrival(index)
@@ -110,11 +115,11 @@ class Replayer:
             index += 1
         await self._drain()
 
+    def _uses_poisson(self) -> bool:
+        return self.config.arrivals == "poisson" or (self.config.arrivals == "auto" and self.config.rate > 0)
+
     def _arrival_clock(self) -> Callable[[int], float]:
-        use_trace = self.config.arrivals == "trace" or (
-            self.config.arrivals == "auto" and self.config.rate <= 0
-        )
-        if not use_trace:
+        if self._uses_poisson():
             return poisson_arrivals(self.config.rate, self.config.seed)
         if self.source.trace_arrival_s(0) is None:
             raise ValueError("this trace has no arrival times: pass --rate R for Poisson arrivals")

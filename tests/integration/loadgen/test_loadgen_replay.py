@@ -303,3 +303,34 @@ async def test_ctrl_c_writes_partial_results(tmp_path: Path) -> None:
     assert result["summary"]["requests"]["completed"] >= 4
     assert result["summary"]["requests"]["cancelled"] >= 1
     assert result["summary"]["requests"]["completed"] < 100
+
+
+async def test_online_stops_when_ttft_exceeds_the_slo(tmp_path: Path) -> None:
+    server = StubServer(token_delay_s=0.05)
+    await server.start()
+    try:
+        trace = write_trace(tmp_path / "t.jsonl", agents=4, rounds=[(30, 2)] * 3)
+        result = await replay(
+            server.url,
+            trace,
+            tmp_path,
+            mode="online",
+            rate=50.0,
+            duration_s=60.0,
+            ttft_slo_s=0.01,
+            stop_on_slo=True,
+            stop_when_steady=False,
+            steady_window_s=0.5,
+        )
+    finally:
+        await server.stop()
+    assert result["meta"]["stop_reason"] == "ttft_slo_exceeded"
+    assert result["summary"]["slo"]["per_request_attainment"] == 0.0
+
+
+async def test_online_needs_arrival_times_or_a_rate(stub: StubServer, tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", agents=1, rounds=[(5, 1)])
+    with pytest.raises(ValueError, match="no arrival times: pass --rate"):
+        await replay(stub.url, trace, tmp_path, mode="online")
+    limited = await replay(stub.url, trace, tmp_path, mode="online", rate=100.0, agents=5)
+    assert limited["meta"]["sessions_started"] == 5 and limited["summary"]["requests"]["completed"] == 5

@@ -11,7 +11,7 @@ import pytest
 
 from loadgen.cli import main
 from loadgen.config import ReplayConfig
-from loadgen.report import compare_rows, flatten, format_compare, plot_results
+from loadgen.report import compare_rows, flatten, format_compare
 from loadgen.result import SCHEMA, load_result, write_result
 from shared.config import build_config
 from shared.errors import ConfigError
@@ -187,7 +187,3 @@ def test_compare_and_plot_commands(tmp_path: Path, capsys: pytest.CaptureFixture
     rc, _, err = run(capsys, "compare", str(tmp_path / "a.json"), str(tmp_path / "junk.json"))
     assert rc == 2 and "not a loadgen result" in err
 
-
-def test_plot_results_direct(tmp_path: Path) -> None:
-    paths = plot_results([fake_result("x", 0.1, 1.0)], tmp_path)
-    assert len(paths) == 4 and all(p.stat().st_size > 1000 for p in paths)
