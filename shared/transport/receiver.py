@@ -26,6 +26,7 @@ from shared.transport.connection import ReceiverConnection
 from shared.transport.endpoint import PREFERENCE, host_id
 from shared.transport.notices import Notice, NoticeBoard, PeerTable
 from shared.transport.region import Region, check_region_name
+from shared.transport.segments import segment_prefix, sweep_stale_segments
 from shared.transport.sockio import tune_socket
 from shared.transport.timeouts import deadline
 from shared.transport.wire import Limits, check_tag
@@ -70,7 +71,8 @@ class KvReceiver:
         self._address = self.config.advertise_host or self._default_address()
         if "shm" in self.config.backends:
             self._probe_token = uuid.uuid4().hex
-            self._probe = ShmSegment.create(f"kvpath-rx-{self._uid}-probe", 64, replace=True)
+            sweep_stale_segments()
+            self._probe = ShmSegment.create(f"{segment_prefix(self._uid)}-probe", 64, replace=True)
             self._probe.buf[: len(self._probe_token)] = self._probe_token.encode()
         if "rdma" in self.config.backends:
             self._rdma = self._open_rdma()
@@ -175,7 +177,7 @@ class KvReceiver:
             raise TransportError(f"region {name!r} is already registered", param="region")
         region_id = self._next_region_id
         self._next_region_id += 1
-        shm_name = f"kvpath-rx-{self._uid}-{region_id}" if "shm" in self.config.backends else None
+        shm_name = f"{segment_prefix(self._uid)}-{region_id}" if "shm" in self.config.backends else None
         region = Region(name, region_id, size_bytes, shm_name=shm_name)
         if self._rdma is not None:
             try:

@@ -4,6 +4,7 @@ killed mid-transfer is an error on the other side, not a hang."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -17,7 +18,9 @@ import pytest
 import xxhash
 
 from shared.errors import DeadlineExceededError, TransportError
+from shared.shm import segment_path
 from shared.transport import KvReceiver, KvSender, TransportConfig
+from shared.transport.segments import sweep_stale_segments
 
 HELPER = Path(__file__).with_name("peer_proc.py")
 SIZE = 24 << 20
@@ -38,6 +41,11 @@ async def child(*args: str) -> AsyncIterator[asyncio.subprocess.Process]:
     try:
         yield proc
     finally:
+        if proc.returncode is None and args[0] == "receiver":
+            assert proc.stdin is not None
+            proc.stdin.close()  # end of commands: the receiver closes and unlinks its segments
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), 10)
         if proc.returncode is None:
             proc.kill()
         await asyncio.wait_for(proc.wait(), 10)
@@ -157,10 +165,15 @@ async def test_receiver_killed_fails_the_sender(backend: str) -> None:
     tx = KvSender(TransportConfig(backends=["shm", "tcp"]), sender_id="pe-main")
     try:
         async with child("receiver", "--size", str(SIZE)) as rx:
-            peer = await tx.connect(await read_json(rx), timeout_s=10, backend=backend)
+            endpoint = await read_json(rx)
+            peer = await tx.connect(endpoint, timeout_s=10, backend=backend)
             await peer.write("buf", 0, b"before", tag=1, timeout_s=10)
             rx.send_signal(signal.SIGKILL)
             await rx.wait()
+            probe = segment_path(endpoint["shm_probe"])
+            assert probe.exists()  # a killed receiver cannot unlink its segments...
+            sweep_stale_segments()
+            assert not list(probe.parent.glob(probe.name.removesuffix("probe") + "*"))  # ...the next one does
             with pytest.raises(TransportError, match="lost"):
                 for tag in range(2, 100):  # bytes may still fit in socket buffers for a write or two
                     await peer.write("buf", 0, pattern(1, 1 << 20), tag=tag, timeout_s=10)
