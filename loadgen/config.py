@@ -76,6 +76,17 @@ class ReplayConfig:
         check(bool(self.url), "url", self.url, "required (http://host:port)")
         check(self.url.startswith(("http://", "https://")), "url", self.url, "must start with http(s)://")
         check(bool(self.trace), "trace", self.trace, "required")
+        self._check_choices()
+        self._check_numbers()
+        check(
+            not (self.mode == "online" and self.arrivals == "poisson" and self.rate <= 0),
+            "rate",
+            self.rate,
+            "online Poisson arrivals need --rate > 0",
+        )
+        self.extra_body_dict()
+
+    def _check_choices(self) -> None:
         for name, allowed in (
             ("mode", MODES),
             ("endpoint", ENDPOINTS),
@@ -88,6 +99,8 @@ class ReplayConfig:
             ("format", ("auto", "kvpath", "mooncake", "messages")),
         ):
             check(getattr(self, name) in allowed, name, getattr(self, name), f"one of {', '.join(allowed)}")
+
+    def _check_numbers(self) -> None:
         for name in ("length_scale", "time_scale", "request_timeout_s", "progress_interval_s"):
             check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         for name in ("tool_scale", "rate", "duration_s", "ttft_slo_s", "tpot_slo_s"):
@@ -109,17 +122,9 @@ class ReplayConfig:
             self.default_output_tokens,
             "must be >= 1",
         )
-        check(
-            self.steady_window_s > 0 and self.steady_lag_s > 0, "steady_window_s", self.steady_window_s, "> 0"
-        )
+        check(self.steady_window_s > 0, "steady_window_s", self.steady_window_s, "must be > 0")
+        check(self.steady_lag_s > 0, "steady_lag_s", self.steady_lag_s, "must be > 0")
         check(0 < self.steady_tolerance < 1, "steady_tolerance", self.steady_tolerance, "in (0, 1)")
-        check(
-            not (self.mode == "online" and self.arrivals == "poisson" and self.rate <= 0),
-            "rate",
-            self.rate,
-            "online Poisson arrivals need --rate > 0",
-        )
-        self.extra_body_dict()
 
     def extra_body_dict(self) -> dict[str, object]:
         if not self.extra_body:

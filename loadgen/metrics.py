@@ -188,26 +188,10 @@ def summarize(
     cancelled = sum(1 for r in records if r.error_code == "cancelled")
     records = [r for r in records if r.error_code != "cancelled"]
     ok = [r for r in records if r.ok]
-    starts = [r.t_start_s for r in records]
     ends = [r.t_end_s for r in ok if r.t_end_s is not None]
-    span = (max(ends) - min(starts)) if ends else 0.0
-    good = [r for r in ok if r.meets_slo(ttft_slo_s, tpot_slo_s)]
-    prompt = sum(r.prompt_tokens or r.client_prompt_tokens or 0 for r in ok)
-    output = sum(r.output_tokens for r in ok)
-    errors = Counter(r.error_code or "error" for r in records if not r.ok)
-
-    def per_s(amount: float) -> float | None:
-        return amount / span if span > 0 else None
-
+    span = (max(ends) - min(r.t_start_s for r in records)) if ends else 0.0
     return {
-        "requests": {
-            "total": len(records),
-            "completed": len(ok),
-            "failed": len(records) - len(ok),
-            "cancelled": cancelled,
-            "errors": dict(errors),
-            "length_mismatches": sum(1 for r in ok if r.output_tokens != r.max_tokens),
-        },
+        "requests": _request_counts(records, ok, cancelled),
         "sessions": len({r.session_id for r in records}),
         "ttft_s": distribution(r.ttft_s for r in ok),
         "ttst_s": distribution(r.ttst_s for r in ok),
@@ -216,27 +200,59 @@ def summarize(
         "e2e_s": distribution(r.e2e_s for r in ok),
         "queue_s": distribution(r.t_start_s - r.t_ready_s for r in records),
         "jct": jct(records, arrivals_s),
-        "throughput": {
-            "duration_s": span,
-            "requests_per_s": per_s(len(ok)),
-            "input_tokens_per_s": per_s(prompt),
-            "output_tokens_per_s": per_s(output),
-            "total_tokens_per_s": per_s(prompt + output),
-        },
-        "tokens": {
-            "prompt": prompt,
-            "cached": sum(r.cached_tokens or 0 for r in ok),
-            "output": output,
-        },
+        **_throughput(ok, span),
         "hit_rate": hit_rates(records),
-        "slo": {
-            "ttft_s": ttft_slo_s,
-            "tpot_s": tpot_slo_s,
-            "per_request_attainment": len(good) / len(records) if records else None,
-            "per_session_attainment": session_slo_attainment(records, ttft_slo_s, tpot_slo_s),
-            "goodput_requests_per_s": per_s(len(good)),
-            "goodput_output_tokens_per_s": per_s(sum(r.output_tokens for r in good)),
+        "slo": _slo(records, ok, span, ttft_slo_s, tpot_slo_s),
+    }
+
+
+def _per_s(amount: float, span_s: float) -> float | None:
+    return amount / span_s if span_s > 0 else None
+
+
+def _request_counts(
+    records: Sequence[CallRecord], ok: Sequence[CallRecord], cancelled: int
+) -> dict[str, Any]:
+    return {
+        "total": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "cancelled": cancelled,
+        "errors": dict(Counter(r.error_code or "error" for r in records if not r.ok)),
+        "length_mismatches": sum(1 for r in ok if r.output_tokens != r.max_tokens),
+    }
+
+
+def _throughput(ok: Sequence[CallRecord], span_s: float) -> dict[str, Any]:
+    prompt = sum(r.prompt_tokens or r.client_prompt_tokens or 0 for r in ok)
+    output = sum(r.output_tokens for r in ok)
+    return {
+        "throughput": {
+            "duration_s": span_s,
+            "requests_per_s": _per_s(len(ok), span_s),
+            "input_tokens_per_s": _per_s(prompt, span_s),
+            "output_tokens_per_s": _per_s(output, span_s),
+            "total_tokens_per_s": _per_s(prompt + output, span_s),
         },
+        "tokens": {"prompt": prompt, "cached": sum(r.cached_tokens or 0 for r in ok), "output": output},
+    }
+
+
+def _slo(
+    records: Sequence[CallRecord],
+    ok: Sequence[CallRecord],
+    span_s: float,
+    ttft_slo_s: float,
+    tpot_slo_s: float,
+) -> dict[str, Any]:
+    good = [r for r in ok if r.meets_slo(ttft_slo_s, tpot_slo_s)]
+    return {
+        "ttft_s": ttft_slo_s,
+        "tpot_s": tpot_slo_s,
+        "per_request_attainment": len(good) / len(records) if records else None,
+        "per_session_attainment": session_slo_attainment(records, ttft_slo_s, tpot_slo_s),
+        "goodput_requests_per_s": _per_s(len(good), span_s),
+        "goodput_output_tokens_per_s": _per_s(sum(r.output_tokens for r in good), span_s),
     }
 
 

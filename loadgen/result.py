@@ -38,25 +38,13 @@ def build_result(
     content_salt: int,
     started_at_s: float,
 ) -> dict[str, Any]:
-    ttft_slo, tpot_slo = config.ttft_slo_s, config.tpot_slo_s
     summary = summarize(
         state.records,
         arrivals_s=state.arrivals_s,
-        ttft_slo_s=ttft_slo,
-        tpot_slo_s=tpot_slo,
+        ttft_slo_s=config.ttft_slo_s,
+        tpot_slo_s=config.tpot_slo_s,
         itl_samples=state.itl_s,
     )
-    window = None
-    if config.mode == "online" and state.records:
-        lo = state.duration_s - config.steady_window_s
-        recent = [r for r in state.records if r.t_start_s >= lo]
-        window = {"from_s": max(0.0, lo), "to_s": state.duration_s}
-        window.update(
-            summarize(recent, arrivals_s=state.arrivals_s, ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo)
-        )
-    itl = np.frombuffer(state.itl_s, dtype=np.float64) if len(state.itl_s) else np.zeros(0)
-    if itl.size > MAX_ITL_SAMPLES:
-        itl = itl[np.linspace(0, itl.size - 1, MAX_ITL_SAMPLES).astype(np.int64)]
     meta = {
         "label": config.label or config.url,
         "url": config.url,
@@ -78,10 +66,33 @@ def build_result(
         "schema": SCHEMA,
         "meta": meta,
         "summary": summary,
-        "window": window,
-        "samples": {"itl_s": itl.tolist()},
+        "window": _window(config, state),
+        "samples": {"itl_s": _thinned(state.itl_s, MAX_ITL_SAMPLES)},
         "requests": [r.to_json() for r in state.records],
     }
+
+
+def _window(config: ReplayConfig, state: RunState) -> dict[str, Any] | None:
+    """Online runs: the summary over requests sent in the last steady window."""
+    if config.mode != "online" or not state.records:
+        return None
+    lo = state.duration_s - config.steady_window_s
+    recent = [r for r in state.records if r.t_start_s >= lo]
+    window: dict[str, Any] = {"from_s": max(0.0, lo), "to_s": state.duration_s}
+    window.update(
+        summarize(
+            recent, arrivals_s=state.arrivals_s, ttft_slo_s=config.ttft_slo_s, tpot_slo_s=config.tpot_slo_s
+        )
+    )
+    return window
+
+
+def _thinned(values: Any, limit: int) -> list[float]:
+    """At most `limit` values, evenly spaced over the run."""
+    arr = np.frombuffer(values, dtype=np.float64) if len(values) else np.zeros(0)
+    if arr.size > limit:
+        arr = arr[np.linspace(0, arr.size - 1, limit).astype(np.int64)]
+    return [float(x) for x in arr]
 
 
 def write_result(path: str | Path, result: dict[str, Any]) -> None:

@@ -42,17 +42,8 @@ async def run_replay(
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, headers=headers) as http:
         model = config.model or await first_model(http, config.url)
-        client = OpenAIClient(
-            http,
-            config.url,
-            model,
-            endpoint=config.endpoint,
-            exact_lengths=config.exact_lengths,
-            want_token_ids=config.history == "output" and source.opts.is_token_prompt,
-            session_header=config.session_header,
-            temperature=config.temperature if config.temperature >= 0 else None,
-            extra_body=config.extra_body_dict(),
-            timeout_s=config.request_timeout_s,
+        client = _client(
+            http, config, model, want_token_ids=config.history == "output" and source.opts.is_token_prompt
         )
         progress = Progress(
             config.progress,
@@ -71,6 +62,23 @@ async def run_replay(
 
         plot_results([result], config.plot_dir)
     return result
+
+
+def _client(
+    http: aiohttp.ClientSession, config: ReplayConfig, model: str, *, want_token_ids: bool
+) -> OpenAIClient:
+    return OpenAIClient(
+        http,
+        config.url,
+        model,
+        endpoint=config.endpoint,
+        exact_lengths=config.exact_lengths,
+        want_token_ids=want_token_ids,
+        session_header=config.session_header,
+        temperature=config.temperature if config.temperature >= 0 else None,
+        extra_body=config.extra_body_dict(),
+        timeout_s=config.request_timeout_s,
+    )
 
 
 def _progress_total(config: ReplayConfig, size: int, calls: int) -> int | None:
@@ -117,8 +125,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"E2E p50: {f(e2e['p50'])} s   JCT (all agents): {f(s['jct']['all_agents_s'], '.1f')} s",
         f"throughput: {f(thr['requests_per_s'], '.2f')} req/s,"
         f" {f(thr['input_tokens_per_s'], '.0f')} in tok/s, {f(thr['output_tokens_per_s'], '.0f')} out tok/s",
-        f"hit rate: overall {f(hit['overall'])}  from turn 2 {f(hit['from_turn_2'])}"
-        f"  (ideal {f(hit['ideal_from_turn_2'])})",
+        f"hit rate: overall {f(hit['overall'])} (ideal {f(hit['ideal_overall'])}),"
+        f" from turn 2 {f(hit['from_turn_2'])} (ideal {f(hit['ideal_from_turn_2'])})",
         f"SLO (TTFT<={slo['ttft_s']}s, TPOT<={slo['tpot_s']}s):"
         f" per request {f(slo['per_request_attainment'])}, per session {f(slo['per_session_attainment'])},"
         f" goodput {f(slo['goodput_requests_per_s'], '.2f')} req/s",
