@@ -137,12 +137,10 @@ def _stats(args: argparse.Namespace) -> int:
     stats = trace_stats(
         trace, count_tokens=_tokenizer(args.tokenizer), default_output_tokens=args.default_output_tokens
     )
-    published = (stats.get("header") or {}).get("published") or {}
-    if (
-        published
-        and stats["header"].get("length_scale", 1.0) == 1.0
-        and not stats["header"].get("max_context")
-    ):
+    header = stats.get("header") or {}
+    published = header.get("published") or {}
+    as_published = header.get("length_scale", 1.0) == 1.0 and not header.get("max_context")
+    if published and as_published and not header.get("base_trajectories"):
         stats["published_error"] = {k: stats[k] / v - 1 for k, v in published.items() if k in stats}
     if args.json:
         print(orjson.dumps(stats, option=orjson.OPT_INDENT_2).decode())
