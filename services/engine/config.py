@@ -24,6 +24,17 @@ class EngineConfig(BaseConfig):
     max_waiting: int = doc(1024, "tasks queued beyond this are refused (the router tries elsewhere or 429)")
     num_threads: int = doc(0, "torch CPU threads; 0 keeps torch's default")
     persist_kv: bool = doc(True, "persist every full block through the node's storage service")
+    kv_bind_host: str = doc(
+        "127.0.0.1", "address the KV data-plane receiver listens on (prefill/decode roles)"
+    )
+    kv_backends: list[str] = doc(["shm", "rdma", "tcp"], "KV data-plane backends this engine may use")  # noqa: RUF009
+    de_buffer_bytes: int = doc(256 * 1024 * 1024, "decode role: DRAM buffer receiving prompt KV from PEs")
+    pe_receive_bytes: int = doc(256 * 1024 * 1024, "prefill role: area receiving stored prefixes from DEs")
+    pe_staging_bytes: int = doc(256 * 1024 * 1024, "prefill role: staging of KV sent to DE buffers")
+    transfer_timeout_s: float = doc(30.0, "deadline of one KV transfer or notice between engines")
+    compute_quota_s: float = doc(
+        0.0, "prefill role: predicted attention time per batch (0: token budget only)"
+    )
     load_kv: bool = doc(True, "load stored prefix blocks instead of recomputing them")
 
     def validate(self) -> None:

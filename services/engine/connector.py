@@ -16,6 +16,7 @@ from collections.abc import Sequence as Seq
 from gpu.runner import LayerHook
 from services.engine.scheduler import PrefillChunk
 from services.engine.sequence import Sequence
+from shared.errors import KvpathError
 
 
 class KvConnector:
@@ -42,6 +43,14 @@ class KvConnector:
         Runs on the event loop between steps, so the blocks are stable; it may copy out of the cache
         synchronously and must hand any slow I/O to a task of its own.
         """
+
+    def import_only(self, chunks: Seq[PrefillChunk]) -> None:
+        """Copy the KV of prompts prefilled elsewhere (load-only chunks) into the cache. Decode engines."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take over prefilled prompts")
+
+    def failures(self) -> dict[str, KvpathError]:
+        """Requests whose external KV failed during the last step (they end with that error)."""
+        return {}
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished, failed or was preempted: drop what is held for it (read leases)."""

@@ -23,7 +23,7 @@ from services.engine.scheduler import EngineScheduler, StepPlan, blocks_for
 from services.engine.sequence import SeqStatus, Sequence
 from services.engine.stopping import check_stop
 from shared.errors import ContextLengthExceededError, InvalidRequestError, KvpathError, OverloadedError
-from shared.protocol import GenerateTask, TaskAck, TokenBatch, TokenDelta
+from shared.protocol import GenerateTask, SamplingParams, TaskAck, TokenBatch, TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class EngineCore:
         self.is_idle = asyncio.Event()  # no request in the engine (drain waits on it)
         self.is_idle.set()
         self.step_count = 0
+        self.prefill_rate = RateMeter()  # prefill tokens per second of prefill compute (DualPath's beta)
         self._final_waits: dict[str, Awaitable[None]] = {}  # last deltas that wait for the connector
         self._background: set[asyncio.Task[None]] = set()
         self.is_draining = False
@@ -67,62 +68,92 @@ class EngineCore:
     # ------------------------------------------------------------------------------------- admission
 
     def submit(self, task: GenerateTask) -> TaskAck:
-        """Validate and queue a task; the ack says whether the engine took it."""
+        """Colocated: validate and queue a task; the ack says whether the engine took it."""
         try:
-            seq = self._admit(task)
+            seq = self.admit(
+                task.request_id,
+                task.router_id,
+                task.prompt_token_ids,
+                task.sampling,
+                task.deadline_unix_s,
+                kv_plan=task.kv,
+            )
         except KvpathError as exc:
             return TaskAck(request_id=task.request_id, accepted=False, code=exc.code, message=exc.message)
-        self.seqs[seq.request_id] = seq
-        self.is_idle.clear()
-        prep = asyncio.create_task(self._prepare(seq), name=f"prepare:{seq.request_id}")
-        self.preparing[seq.request_id] = prep
+        self.start(seq)
         return TaskAck(request_id=task.request_id, accepted=True)
 
-    def _admit(self, task: GenerateTask) -> Sequence:
+    def admit(
+        self,
+        request_id: str,
+        router_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        deadline_unix_s: float,
+        *,
+        kv_plan: dict | None = None,
+    ) -> Sequence:
+        """A new sequence for a task, or a KvpathError saying why the engine cannot take it."""
         spec = self.runner.spec
         if self.is_draining:
             raise OverloadedError(f"engine {self.engine_id} is draining")
-        if task.request_id in self.seqs:
-            raise InvalidRequestError(f"duplicate request id {task.request_id}", param="request_id")
+        if request_id in self.seqs:
+            raise InvalidRequestError(f"duplicate request id {request_id}", param="request_id")
         if len(self.seqs) >= self.config.max_waiting + self.config.max_num_seqs:
             raise OverloadedError(f"engine {self.engine_id} has {len(self.seqs)} requests queued")
-        n = len(task.prompt_token_ids)
-        if n == 0 or n + task.sampling.max_tokens > spec.max_model_len:
+        n = len(prompt)
+        if n == 0 or n + sampling.max_tokens > spec.max_model_len:
             raise ContextLengthExceededError(
-                f"prompt of {n} tokens + max_tokens {task.sampling.max_tokens} exceeds the context of "
+                f"prompt of {n} tokens + max_tokens {sampling.max_tokens} exceeds the context of "
                 f"{spec.max_model_len}",
                 param="max_tokens",
             )
-        if max(task.prompt_token_ids) >= spec.vocab_size or min(task.prompt_token_ids) < 0:
+        if max(prompt) >= spec.vocab_size or min(prompt) < 0:
             raise InvalidRequestError("prompt token id outside the vocabulary", param="prompt")
         if blocks_for(n + 1, self.runner.block_size) > self.runner.kv.num_blocks:
             raise ContextLengthExceededError(
                 f"prompt of {n} tokens does not fit this engine's KV cache", param="prompt"
             )
         return Sequence(
-            request_id=task.request_id,
-            router_id=task.router_id,
-            prompt_token_ids=list(task.prompt_token_ids),
-            sampling=task.sampling,
-            deadline_unix_s=task.deadline_unix_s,
+            request_id=request_id,
+            router_id=router_id,
+            prompt_token_ids=list(prompt),
+            sampling=sampling,
+            deadline_unix_s=deadline_unix_s,
             arrived_at=time.monotonic(),
-            kv_plan=task.kv,
+            kv_plan=kv_plan or {},
         )
+
+    def start(self, seq: Sequence) -> None:
+        """Take the admitted sequence: fetch its external KV, then schedule it."""
+        self.seqs[seq.request_id] = seq
+        self.is_idle.clear()
+        prep = asyncio.create_task(self._prepare(seq), name=f"prepare:{seq.request_id}")
+        self.preparing[seq.request_id] = prep
 
     async def _prepare(self, seq: Sequence) -> None:
         """Let the connector fetch the stored prefix, then queue the sequence for scheduling."""
         started = time.monotonic()
         try:
             await self.connector.prepare(seq)
-        except Exception:  # a failed load is a miss, never a failed request
-            log.exception("kv prepare failed request_id=%s; recomputing", seq.request_id)
-            seq.num_hit_tokens = 0
+        except KvpathError as exc:
+            seq.error_code, seq.error_message = exc.code, exc.message
+        except Exception as exc:
+            log.exception("kv prepare failed request_id=%s", seq.request_id)
+            seq.error_code, seq.error_message = "internal_error", f"{type(exc).__name__}: {exc}"
         finally:
             self.preparing.pop(seq.request_id, None)
-        seq.timings["load_s"] = time.monotonic() - started
+        seq.timings.setdefault("read_s", time.monotonic() - started)
         if seq.status is SeqStatus.FINISHED or seq.request_id not in self.seqs:
             self.connector.release(seq)
             return
+        if seq.error_code:
+            await self._flush([self._finish(seq, "error")])
+            return
+        if seq.finish_reason:  # another engine finished it (a PE whose first token ended the request)
+            self._finish_silently(seq, seq.finish_reason)
+            return
+        seq.timings["queued_at"] = time.monotonic()
         self.scheduler.add(seq)
         self._wake.set()
 
@@ -173,17 +204,18 @@ class EngineCore:
                 )
                 out.append(self._finish(seq, "error"))
             else:
-                self._finish(seq, "abort")  # the router asked: it expects nothing more
-                wait = self._final_waits.pop(seq.request_id, None)
-                if wait is not None:
-                    self._spawn(_drain(wait))
+                self._finish_silently(seq, "abort")  # the router asked: it expects nothing more
         self._aborts.clear()
         return out
 
     async def _execute(self, plan: StepPlan) -> dict[str, int]:
         sampled: dict[str, int] = {}
         started = time.perf_counter()
-        if plan.prefill:
+        loads = [c for c in plan.prefill if c.num_tokens == 0]
+        if loads:  # prompts prefilled elsewhere: import their KV, nothing to compute
+            self.connector.import_only(loads)
+        computed = [c for c in plan.prefill if c.num_tokens > 0]
+        if computed:
             pseqs = [
                 PrefillSeq(
                     seq_id=c.seq.request_id,
@@ -194,12 +226,15 @@ class EngineCore:
                     sampling=_sampling(c.seq),
                     banned_token_ids=self._banned(c.seq),
                 )
-                for c in plan.prefill
+                for c in computed
             ]
-            out = await self.runner.prefill(pseqs, self.connector.layer_hook(plan.prefill))
+            out = await self.runner.prefill(pseqs, self.connector.layer_hook(computed))
             sampled.update({p.seq_id: t for p, t in zip(pseqs, out, strict=True) if t is not None})
-            metrics.PREFILL_STEP.observe(time.perf_counter() - started)
-            metrics.PREFILL_TOKENS.inc(sum(c.num_tokens for c in plan.prefill))
+            elapsed = time.perf_counter() - started
+            num_tokens = sum(c.num_tokens for c in computed)
+            metrics.PREFILL_STEP.observe(elapsed)
+            metrics.PREFILL_TOKENS.inc(num_tokens)
+            self.prefill_rate.add(num_tokens, elapsed)
         if plan.decode:
             t0 = time.perf_counter()
             dseqs = [
@@ -237,7 +272,13 @@ class EngineCore:
             touched.append(seq)
         self.connector.after_step(touched)
         out: list[Outgoing] = []
+        failed = self.connector.failures()
         for seq in touched:
+            error = failed.get(seq.request_id)
+            if error is not None and seq.status is not SeqStatus.FINISHED:
+                seq.error_code, seq.error_message = error.code, error.message
+                out.append(self._finish(seq, "error"))
+                continue
             token = sampled.get(seq.request_id)
             if token is None or seq.status is SeqStatus.FINISHED:
                 continue
@@ -249,6 +290,9 @@ class EngineCore:
             if emit:
                 seq.output_token_ids.append(token)
                 seq.unsent_token_ids.append(token)
+            if reason is None and self.config.role == "prefill":
+                reason = "handoff"  # the decode engine takes it from here
+                seq.timings["prefill_s"] = time.monotonic() - seq.timings.get("queued_at", seq.arrived_at)
             out.append(self._finish(seq, reason) if reason else self._delta(seq))
         return out
 
@@ -279,12 +323,21 @@ class EngineCore:
         metrics.REQUESTS.labels(reason).inc()
         return self._delta(seq)
 
+    def _finish_silently(self, seq: Sequence, reason: str) -> None:
+        """Finish without a delta (nobody expects one); connector waits still run to completion."""
+        self._finish(seq, reason)
+        wait = self._final_waits.pop(seq.request_id, None)
+        if wait is not None:
+            self._spawn(_drain(wait))
+
     def _delta(self, seq: Sequence) -> Outgoing:
+        finish = seq.finish_reason if seq.status is SeqStatus.FINISHED else None
         delta = TokenDelta(
             request_id=seq.request_id,
             seq=seq.next_delta_seq,
             token_ids=seq.unsent_token_ids,
-            finish_reason=seq.finish_reason if seq.status is SeqStatus.FINISHED else None,
+            finish_reason=None if finish == "handoff" else finish,
+            handoff=finish == "handoff",
         )
         if seq.next_delta_seq == 0:
             delta.prompt_tokens = seq.num_prompt_tokens
@@ -299,7 +352,8 @@ class EngineCore:
     async def _flush(self, out: list[Outgoing]) -> None:
         by_router: dict[str, list[TokenDelta]] = defaultdict(list)
         for router_id, delta in out:
-            wait = self._final_waits.pop(delta.request_id, None) if delta.finish_reason else None
+            is_last = delta.finish_reason is not None or delta.handoff
+            wait = self._final_waits.pop(delta.request_id, None) if is_last else None
             if wait is None:
                 by_router[router_id].append(delta)
             else:  # the last delta goes out once the connector is done (e.g. blocks durable)
@@ -342,7 +396,24 @@ class EngineCore:
             "unfinished_tokens": sum(s.num_tokens for s in self.seqs.values()),
             "free_kv_blocks": self.runner.kv.num_free_blocks,
             "total_kv_blocks": self.runner.kv.num_blocks,
+            "rates": {"prefill_tokens_per_s": self.prefill_rate.value},
         }
+
+
+class RateMeter:
+    """Exponentially weighted work rate (units per busy second)."""
+
+    __slots__ = ("_weight", "value")
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self._weight = weight
+        self.value = 0.0
+
+    def add(self, units: float, seconds: float) -> None:
+        if seconds <= 0 or units <= 0:
+            return
+        rate = units / seconds
+        self.value = rate if self.value == 0 else (1 - self._weight) * self.value + self._weight * rate
 
 
 async def _drain(wait: Awaitable[None]) -> None:

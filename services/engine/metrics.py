@@ -35,3 +35,9 @@ KV_PERSIST_FAILURES = Counter(
     "Full blocks not persisted, by reason (storage full or down, staging full, timeout)",
     ["reason"],
 )
+PREFILL_LAYERS = Histogram(
+    "kvpath_engine_prefill_layer_seconds",
+    "Average wall time per layer of one layerwise prefill batch (compute + KV I/O)",
+    buckets=_STEP_BUCKETS,
+)
+TRANSFER_BYTES = Counter("kvpath_engine_kv_transfer_bytes_total", "KV bytes sent to other engines", ["path"])

@@ -121,7 +121,7 @@ class EngineScheduler:
         self._schedule_decodes(plan)
         budget = self.max_num_batched_tokens
         for seq in [s for s in self.running if s.is_prefilling]:
-            budget -= self._add_chunk(plan, seq, budget)
+            budget -= self._add_chunk(plan, seq, budget) or 0
             if budget <= 0:
                 return plan
         if plan.preempted:
@@ -129,7 +129,7 @@ class EngineScheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             used = self._add_chunk(plan, seq, budget)
-            if used == 0:
+            if used is None:
                 break  # head of line does not fit: keep FIFO order
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -150,17 +150,27 @@ class EngineScheduler:
             else:
                 plan.decode.append(seq)
 
-    def _add_chunk(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
+    def _add_chunk(self, plan: StepPlan, seq: Sequence, budget: int) -> int | None:
+        """Plan the sequence's next chunk; return the budget it uses, None if it does not fit now.
+
+        A sequence whose whole prefix is supplied (a decode engine taking over a prefilled prompt) gets a
+        load-only chunk: blocks and an import, no compute, no budget.
+        """
         load = seq.num_hit_tokens if seq.num_computed_tokens == 0 else 0
         start = max(seq.num_computed_tokens, load)
         num = min(budget, seq.prefill_target - start)
         if num <= 0:
+            if load <= 0 or load < seq.prefill_target or not self._grow(seq, load + 1):
+                return None
+            plan.prefill.append(
+                PrefillChunk(seq=seq, start=load, num_tokens=0, load_tokens=load, sample=False)
+            )
             return 0
         if not self._grow(seq, start + num):
             free_tokens = (len(seq.block_ids) + self.allocator.num_free_blocks) * self.block_size - start
             num = min(num, free_tokens)
             if num <= 0 or not self._grow(seq, start + num):
-                return 0
+                return None
         sample = start + num == seq.prefill_target and not seq.output_token_ids
         plan.prefill.append(
             PrefillChunk(seq=seq, start=start, num_tokens=num, load_tokens=load, sample=sample)

@@ -12,8 +12,12 @@ from services.engine import metrics
 from services.engine.config import EngineConfig
 from services.engine.connector import KvConnector
 from services.engine.core import EngineCore
+from services.engine.decode_connector import DecodeConnector as DecodeConnectorT
+from services.engine.prefill_connector import PrefillConnector as PrefillConnectorT
 from shared.bus import MsgContext
+from shared.errors import KvpathError
 from shared.protocol import Abort, GenerateTask, LoadReport, ServiceInfo, TaskAck, TokenBatch
+from shared.protocol.disagg import DecodeAck, DecodeTask, PrefillTask, PullHits, PullHitsReply
 from shared.service import Service
 
 log = logging.getLogger(__name__)
@@ -28,6 +32,9 @@ class EngineService(Service):
         self.runner: Any = None
         self.core: EngineCore | None = None
         self._connector: KvConnector | None = None
+        self.receiver: Any = None  # KV data plane (prefill / decode roles)
+        self.sender: Any = None
+        self.peers: Any = None
 
     def role(self) -> str:
         return self.config.role
@@ -35,6 +42,36 @@ class EngineService(Service):
     def build_connector(self) -> KvConnector | None:
         """The KV connector for this engine's role and config (None: recompute everything)."""
         cfg = self.config
+        if cfg.role == "prefill":
+            from services.engine.prefill_connector import PrefillConnector
+
+            return PrefillConnector(
+                self.bus,
+                self.runner,
+                engine_id=self.service_id,
+                node=cfg.node,
+                block_size=cfg.block_size,
+                receiver=self.receiver,
+                peers=self.peers,
+                area_bytes=cfg.pe_receive_bytes,
+                staging_bytes=cfg.pe_staging_bytes,
+                transfer_timeout_s=cfg.transfer_timeout_s,
+            )
+        if cfg.role == "decode":
+            from services.engine.decode_connector import DecodeConnector
+
+            return DecodeConnector(
+                self.bus,
+                self.runner,
+                engine_id=self.service_id,
+                node=cfg.node,
+                block_size=cfg.block_size,
+                persist_kv=cfg.persist_kv,
+                receiver=self.receiver,
+                peers=self.peers,
+                area_bytes=cfg.de_buffer_bytes,
+                transfer_timeout_s=cfg.transfer_timeout_s,
+            )
         if not (cfg.load_kv or cfg.persist_kv):
             return None
         from services.engine.storage_connector import StorageConnector
@@ -68,15 +105,38 @@ class EngineService(Service):
             cache_dir=cfg.model_cache_dir or None,
             num_threads=cfg.num_threads or None,
         )
+        if cfg.role != "colocated":
+            await self._start_data_plane()
         self._connector = self.build_connector()
         if self._connector is not None:
             await self._connector.start()
         self.core = EngineCore(cfg, self.runner, self.service_id, self._publish_tokens, self._connector)
         metrics.KV_BLOCKS_TOTAL.set(self.runner.kv.num_blocks)
         subjects = self.bus.subjects
-        await self.bus.subscribe(subjects.task(self.service_id), GenerateTask, self._on_task)
+        handlers = {
+            "colocated": (GenerateTask, self._on_task),
+            "prefill": (PrefillTask, self._on_prefill_task),
+            "decode": (DecodeTask, self._on_decode_task),
+        }
+        task_type, handler = handlers[cfg.role]
+        await self.bus.subscribe(subjects.task(self.service_id), task_type, handler)  # type: ignore[arg-type]
+        if cfg.role == "decode":
+            await self.bus.subscribe(
+                subjects.transfer(self.service_id), PullHits, self._on_pull, max_concurrency=256
+            )
         await self.bus.subscribe(subjects.abort, Abort, self._on_abort)
         self.spawn(self.core.run(), "step-loop")
+
+    async def _start_data_plane(self) -> None:
+        from services.engine.disagg import PeerPool
+        from shared.transport import KvReceiver, KvSender, TransportConfig
+
+        tcfg = TransportConfig(bind_host=self.config.kv_bind_host, backends=list(self.config.kv_backends))
+        tcfg.validate()
+        self.receiver = KvReceiver(tcfg, receiver_id=self.service_id)
+        await self.receiver.start()
+        self.sender = KvSender(tcfg, sender_id=self.service_id)
+        self.peers = PeerPool(self.sender)
 
     async def _publish_tokens(self, router_id: str, batch: TokenBatch) -> None:
         await self.bus.publish(self.bus.subjects.tokens(router_id), batch)
@@ -87,6 +147,37 @@ class EngineService(Service):
         if ack.accepted:
             self.report_load_now()
         return ack
+
+    async def _on_prefill_task(self, task: PrefillTask, ctx: MsgContext) -> TaskAck:
+        assert self.core is not None and isinstance(self._connector, PrefillConnectorT)
+        try:
+            seq = self.core.admit(
+                task.request_id, task.router_id, task.prompt_token_ids, task.sampling, task.deadline_unix_s
+            )
+            seq.timings.update(task.timings)
+            self._connector.bind(seq, task)
+        except KvpathError as exc:
+            return TaskAck(request_id=task.request_id, accepted=False, code=exc.code, message=exc.message)
+        self.core.start(seq)
+        self.report_load_now()
+        return TaskAck(request_id=task.request_id, accepted=True)
+
+    async def _on_decode_task(self, task: DecodeTask, ctx: MsgContext) -> DecodeAck:
+        assert self.core is not None and isinstance(self._connector, DecodeConnectorT)
+        try:
+            seq = self.core.admit(
+                task.request_id, task.router_id, task.prompt_token_ids, task.sampling, task.deadline_unix_s
+            )
+            ref = self._connector.accept(seq, task)
+        except KvpathError as exc:
+            return DecodeAck(request_id=task.request_id, accepted=False, code=exc.code, message=exc.message)
+        self.core.start(seq)
+        self.report_load_now()
+        return DecodeAck(request_id=task.request_id, accepted=True, buffer=ref)
+
+    async def _on_pull(self, msg: PullHits, ctx: MsgContext) -> PullHitsReply:
+        assert isinstance(self._connector, DecodeConnectorT)
+        return await self._connector.serve_pull(msg)
 
     async def _on_abort(self, msg: Abort, ctx: MsgContext) -> None:
         if self.core is not None:
@@ -105,6 +196,12 @@ class EngineService(Service):
         if self._connector is not None:
             with contextlib.suppress(Exception):
                 await self._connector.close()
+        if self.peers is not None:
+            await self.peers.close()
+        for end in (self.sender, self.receiver):
+            if end is not None:
+                with contextlib.suppress(Exception):
+                    await end.close()
         if self.runner is not None:
             self.runner.close()
 
@@ -128,6 +225,9 @@ class EngineService(Service):
     def service_info(self) -> ServiceInfo:
         info = super().service_info()
         info.model = self.config.model
+        if self.receiver is not None:
+            info.extra["kv_endpoint"] = self.receiver.endpoint()
+            info.endpoints.update(self.receiver.service_endpoints())
         return info
 
     def health(self) -> dict[str, Any]:

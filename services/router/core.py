@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from services.router import metrics
 from services.router.config import RouterConfig
+from services.router.disagg import DisaggregatedDispatch
 from services.router.engines import EngineTable
 from services.router.kv_plan import KvPlanner
 from services.router.policy import EngineLoad, pick_least_loaded
@@ -66,6 +67,7 @@ class RouterCore:
         self.is_idle = asyncio.Event()
         self.is_idle.set()
         self.kv_planner: KvPlanner | None = None
+        self.disagg: DisaggregatedDispatch | None = None  # prefill/decode policies; None: colocated
 
     # ------------------------------------------------------------------------------------ bus inputs
 
@@ -74,6 +76,8 @@ class RouterCore:
 
     def on_load_report(self, report: LoadReport) -> None:
         self.engines.update(report, time.monotonic())
+        if self.disagg is not None:
+            self.disagg.dispatcher.kick()  # loads changed: queued requests may fit now
 
     def fail_silent_engines(self) -> int:
         """Fail the streams of engines whose load reports stopped; return how many streams failed."""
@@ -175,8 +179,12 @@ class RouterCore:
             task = self._task(prompt, request_id, deadline, kv)
             # open before dispatch: the first tokens may arrive before the ack
             stream = self.streams.open(request_id)
-            engine_id = await self._dispatch(task, deadline)
-            self.streams.assign(request_id, engine_id)
+            if self.disagg is None:
+                self.streams.assign(request_id, await self._dispatch(task, deadline))
+            else:
+                usage.timings.update(
+                    await self.disagg.dispatch(prompt, request_id, task.sampling, deadline, kv, self.streams)
+                )
             metrics.QUEUED.dec()
             metrics.RUNNING.inc()
             try:
@@ -187,7 +195,7 @@ class RouterCore:
             finally:
                 metrics.RUNNING.dec()
         except BaseException:
-            if stream is None or not stream.engine_id:
+            if stream is None or not stream.engine_ids:
                 metrics.QUEUED.dec()
             raise
         finally:
@@ -244,7 +252,8 @@ class RouterCore:
             first = deltas[0]
             if first.seq == 0:
                 usage.prompt_tokens, usage.cached_tokens = first.prompt_tokens, first.cached_tokens
-                usage.timings = dict(first.timings)
+                usage.timings.update(first.timings)
+                _observe_stages(first.timings)
             usage.completion_tokens += num_tokens
             metrics.GENERATION_TOKENS.inc(num_tokens)
             finish = deltas[-1].finish_reason
@@ -292,3 +301,11 @@ class RouterCore:
                 raise it
             deltas.append(it)
         return deltas
+
+
+def _observe_stages(timings: dict[str, float]) -> None:
+    """TTFT stages measured by the engine (read, queue, prefill) into the breakdown histogram."""
+    for stage in ("read", "queue", "prefill"):
+        value = timings.get(f"{stage}_s")
+        if value is not None:
+            metrics.TTFT_STAGE.labels(stage).observe(value)

@@ -14,6 +14,7 @@ class EngineState:
     # work the router sent since that report, so back-to-back decisions see it before the next report
     pending_requests: int = 0
     pending_tokens: int = 0
+    pending_kv_tokens: int = 0
 
 
 class EngineTable:
@@ -29,11 +30,19 @@ class EngineTable:
             return  # stale or reordered report (seq 1 = the service restarted)
         self._engines[report.service_id] = EngineState(report=report, received_at=now)
 
-    def note_assigned(self, service_id: str, tokens: int) -> None:
+    def note_assigned(self, service_id: str, tokens: int, *, kv_tokens: int = 0) -> None:
         state = self._engines.get(service_id)
         if state is not None:
             state.pending_requests += 1
             state.pending_tokens += tokens
+            state.pending_kv_tokens += kv_tokens
+
+    def storage_of(self, node: int) -> str | None:
+        """The service id of node `node`'s storage service, if it reports."""
+        for sid, st in self._engines.items():
+            if st.report.role == "storage" and st.report.node == node:
+                return sid
+        return None
 
     def remove(self, service_id: str) -> None:
         self._engines.pop(service_id, None)

@@ -37,3 +37,9 @@ ENGINE_FAILURES = Counter(
     "Requests failed because their engine died, went silent or lost tokens",
     ["reason"],
 )
+TTFT_STAGE = Histogram(
+    "kvpath_router_ttft_stage_seconds",
+    "Time to first token by stage: schedule, allocate (router), read, queue, prefill (PE)",
+    ["stage"],
+    buckets=_LATENCY_BUCKETS,
+)

@@ -14,6 +14,7 @@ from services.router import handlers
 from services.router.api import ApiContext, add_api_routes
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
+from services.router.disagg import DisaggregatedDispatch, Dispatcher, SchedulerParams
 from services.router.kv_plan import KvPlanner
 from shared.protocol import ServiceInfo
 from shared.service import Service
@@ -47,6 +48,25 @@ class RouterService(Service):
                 timeout_s=config.index_timeout_s,
             )
 
+        self.dispatcher: Dispatcher | None = None
+        if config.policy != "colocated":
+            from gpu.model_spec import default_dtype
+
+            dtype = config.kv_dtype or default_dtype("cpu")
+            params = SchedulerParams(
+                policy=config.policy,
+                block_size=config.block_size,
+                kv_bytes_per_token=self.spec.num_layers * self.spec.kv_bytes_per_token_layer(dtype),
+                alpha_s=config.alpha_s,
+                beta_s=config.beta_s,
+                z_factor=config.z_factor,
+                force_read_side=config.force_read_side,
+            )
+            self.dispatcher = Dispatcher(self.core.engines, params)
+            self.core.disagg = DisaggregatedDispatch(
+                self.dispatcher, self.bus, self.service_id, config.task_ack_timeout_s
+            )
+
     def add_routes(self, app: web.Application) -> None:
         add_api_routes(
             app,
@@ -69,6 +89,8 @@ class RouterService(Service):
         )
         await self.bus.subscribe_raw(subjects.load_all, handlers.load_report_handler(self.core))
         self.spawn(self._watch_engines(), "watch-engines")
+        if self.dispatcher is not None:
+            self.spawn(self.dispatcher.run(), "placement")
 
     async def _watch_engines(self) -> None:
         period = min(0.5, self.config.engine_silence_timeout_s / 3)

@@ -23,7 +23,7 @@ StreamItem = TokenDelta | KvpathError
 @dataclass(slots=True)
 class RequestStream:
     request_id: str
-    engine_id: str
+    engine_ids: set[str] = field(default_factory=set)  # engines whose failure fails the stream
     queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
     next_seq: int = 0
     is_finished: bool = False
@@ -46,30 +46,33 @@ class StreamTable:
 
     def open(self, request_id: str, engine_id: str = "") -> RequestStream:
         """Open a stream; tokens are accepted at once, even before an engine is assigned."""
-        stream = RequestStream(request_id=request_id, engine_id=engine_id)
+        stream = RequestStream(request_id=request_id)
         self._streams[request_id] = stream
         if engine_id:
-            self._by_engine[engine_id].add(request_id)
+            self.assign(request_id, engine_id)
         return stream
 
     def assign(self, request_id: str, engine_id: str) -> None:
-        """Record which engine serves the stream (its failure then fails the stream)."""
-        stream = self._streams[request_id]
-        self._unlink(stream)
-        stream.engine_id = engine_id
+        """Record an engine serving the stream (its failure then fails the stream)."""
+        self._streams[request_id].engine_ids.add(engine_id)
         self._by_engine[engine_id].add(request_id)
+
+    def unassign(self, request_id: str, engine_id: str) -> None:
+        """The engine handed the request off: its failure no longer concerns the stream."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.engine_ids.discard(engine_id)
+        ids = self._by_engine.get(engine_id)
+        if ids is not None:
+            ids.discard(request_id)
+            if not ids:
+                del self._by_engine[engine_id]
 
     def close(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            self._unlink(stream)
-
-    def _unlink(self, stream: RequestStream) -> None:
-        ids = self._by_engine.get(stream.engine_id)
-        if ids is not None:
-            ids.discard(stream.request_id)
-            if not ids:
-                del self._by_engine[stream.engine_id]
+            for engine_id in list(stream.engine_ids):
+                self.unassign(request_id, engine_id)
 
     def get(self, request_id: str) -> RequestStream | None:
         return self._streams.get(request_id)
@@ -99,6 +102,8 @@ class StreamTable:
                 )
                 continue
             stream.next_seq += 1
+            if delta.handoff:
+                self.unassign(delta.request_id, batch.engine_id)
             if delta.finish_reason is not None:
                 stream.is_finished = True
             stream.queue.put_nowait(delta)

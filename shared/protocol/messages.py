@@ -127,6 +127,7 @@ class TokenDelta(Message):
     error_code: str = ""
     error_message: str = ""
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage, sent with the first delta
+    handoff: bool = False  # the sending engine is done; later deltas come from another engine (PE -> DE)
 
 
 @message

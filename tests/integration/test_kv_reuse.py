@@ -41,10 +41,10 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def complete(
-    http: aiohttp.ClientSession, url: str, prompt: list[int], n: int, session: str
+    http: aiohttp.ClientSession, url: str, prompt: list[int], n: int, session: str, model: str = "tiny"
 ) -> dict[str, Any]:
     body = {
-        "model": "tiny",
+        "model": model,
         "prompt": prompt,
         "max_tokens": n,
         "ignore_eos": True,
@@ -56,7 +56,9 @@ async def complete(
         return dict(await resp.json())
 
 
-async def run_session(http: aiohttp.ClientSession, url: str, seed: int) -> list[dict[str, Any]]:
+async def run_session(
+    http: aiohttp.ClientSession, url: str, seed: int, model: str = "tiny"
+) -> list[dict[str, Any]]:
     """Three turns: each prompt = previous prompt + previous output + a fresh append."""
     rng = random.Random(seed)
     appends = [[rng.randrange(3, 250) for _ in range(n)] for n in (300, 90, 75)]
@@ -64,7 +66,7 @@ async def run_session(http: aiohttp.ClientSession, url: str, seed: int) -> list[
     results = []
     for turn, append in enumerate(appends):
         prompt = context + append
-        out = await complete(http, url, prompt, 37, f"s{seed}")
+        out = await complete(http, url, prompt, 37, f"s{seed}", model)
         assert out["prompt_token_ids"] == prompt
         results.append({"prompt": prompt, "out": out})
         context = prompt + out["choices"][0]["token_ids"]

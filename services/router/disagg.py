@@ -1,0 +1,258 @@
+"""The live side of DualPath's global scheduler: a FIFO of requests waiting for a (PE, DE, read side).
+
+Every arrival and every load report triggers a placement round: a `ClusterSnapshot` is built from the latest
+load reports (engines, node storage queues) plus what the router sent since, the pure policy in
+`services/router/placement.py` decides, and each placed request's waiter wakes up with its `Placement`.
+Requests the policy cannot place yet (every PE above beta, no DE with room) wait here: that is the
+"schedule" part of the TTFT breakdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from services.router import metrics
+from services.router.dualpath import (
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    ClusterSnapshot,
+    EngineSnapshot,
+    NodeSnapshot,
+    PendingRequest,
+    Placement,
+    ReadSide,
+    RoundRobinState,
+    Thresholds,
+    thresholds_from_rates,
+)
+from services.router.engines import EngineTable
+from services.router.placement import place
+from services.router.prompts import PreparedPrompt
+from services.router.streams import StreamTable
+from shared.bus import Bus
+from shared.errors import DeadlineExceededError, error_from_code
+from shared.protocol import Message, SamplingParams, TaskAck
+from shared.protocol.disagg import DecodeAck, DecodeTask, PrefillTask
+
+R = TypeVar("R", bound=Message)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Waiting:
+    request: PendingRequest
+    future: asyncio.Future[Placement]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerParams:
+    policy: str
+    block_size: int
+    kv_bytes_per_token: int
+    alpha_s: float
+    beta_s: float
+    z_factor: float
+    force_read_side: str = ""  # experiments: override the policy's side when that side can read
+
+
+class Dispatcher:
+    def __init__(self, engines: EngineTable, params: SchedulerParams) -> None:
+        self.engines = engines
+        self.params = params
+        self.queue: OrderedDict[str, _Waiting] = OrderedDict()
+        self.rr_state = RoundRobinState()
+        self._kick = asyncio.Event()
+        self.num_rounds = 0
+
+    async def place(self, request: PendingRequest, deadline: float) -> Placement:
+        """Queue the request and wait (until the monotonic `deadline`) for its placement."""
+        future: asyncio.Future[Placement] = asyncio.get_running_loop().create_future()
+        self.queue[request.request_id] = _Waiting(request, future)
+        self.kick()
+        try:
+            return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise DeadlineExceededError("no prefill/decode engine could take the request in time") from None
+        finally:
+            self.queue.pop(request.request_id, None)
+
+    def kick(self) -> None:
+        if self.queue:
+            self._kick.set()
+
+    async def run(self) -> None:
+        """Placement rounds, one whenever something changed and requests wait."""
+        while True:
+            await self._kick.wait()
+            self._kick.clear()
+            try:
+                self.round()
+            except Exception:  # a bad snapshot must not stop scheduling; the next kick retries
+                log.exception("placement round failed")
+
+    def round(self) -> int:
+        """One placement round over the current snapshot; return how many requests were placed."""
+        waiting = [w for w in self.queue.values() if not w.future.done()]
+        if not waiting:
+            return 0
+        snapshot = self.snapshot(tuple(w.request for w in waiting))
+        if not snapshot.engines:
+            return 0
+        result = place(self.params.policy, snapshot, self.thresholds(snapshot), self.rr_state)
+        self.rr_state = result.rr_state
+        self.num_rounds += 1
+        for placement in result.placements:
+            waiter = self.queue.get(placement.request_id)
+            if waiter is None or waiter.future.done():
+                continue
+            placement = self._forced(placement, snapshot)
+            self._note(placement, waiter.request)
+            waiter.future.set_result(placement)
+        return len(result.placements)
+
+    def _forced(self, placement: Placement, snapshot: ClusterSnapshot) -> Placement:
+        side = self.params.force_read_side
+        if not side or placement.read_side is None or placement.read_side.value == side:
+            return placement
+        engine_id = placement.pe_id if side == "pe" else placement.de_id
+        node = next(e.node for e in snapshot.engines if e.engine_id == engine_id)
+        if not any(n.node == node and n.is_storage_alive for n in snapshot.nodes):
+            return placement
+        return dataclasses.replace(placement, read_side=ReadSide(side), read_node=node)
+
+    def _note(self, placement: Placement, request: PendingRequest) -> None:
+        """Count the decision into the loads until the engines' next reports include it."""
+        self.engines.note_assigned(placement.pe_id, request.prompt_tokens)
+        self.engines.note_assigned(placement.de_id, request.prompt_tokens, kv_tokens=request.hbm_need_tokens)
+        if placement.read_node is not None:
+            storage = self.engines.storage_of(placement.read_node)
+            if storage is not None:
+                self.engines.note_assigned(storage, placement.read_tokens)
+
+    # -------------------------------------------------------------------------------------- snapshot
+
+    def snapshot(self, queue: tuple[PendingRequest, ...]) -> ClusterSnapshot:
+        now = time.monotonic()
+        bs = self.params.block_size
+        engines = []
+        for st in self.engines.live(now, roles=(ROLE_PREFILL, ROLE_DECODE)):
+            r = st.report
+            engines.append(
+                EngineSnapshot(
+                    engine_id=r.service_id,
+                    role=r.role,
+                    node=r.node,
+                    group=f"node{r.node}",
+                    num_unfinished=r.num_running + r.num_waiting + st.pending_requests,
+                    unfinished_tokens=r.unfinished_tokens + st.pending_tokens,
+                    free_kv_tokens=max(0, r.free_kv_blocks * bs - st.pending_kv_tokens),
+                    is_draining=r.is_draining,
+                )
+            )
+        storage = {st.report.node: st for st in self.engines.live(now, roles=("storage",))}
+        nodes = []
+        for node in sorted({e.node for e in engines} | storage.keys()):
+            reader = storage.get(node)
+            queued = reader.report.read_queue_tokens + reader.pending_tokens if reader is not None else 0
+            nodes.append(
+                NodeSnapshot(
+                    node=node,
+                    read_queue_tokens=queued,
+                    is_storage_alive=reader is not None and not reader.report.is_draining,
+                )
+            )
+        return ClusterSnapshot(engines=tuple(engines), nodes=tuple(nodes), queue=queue)
+
+    def thresholds(self, snapshot: ClusterSnapshot) -> Thresholds:
+        now = time.monotonic()
+        read_rates = []
+        for st in self.engines.live(now, roles=("storage",)):
+            bandwidth = st.report.rates.get("read_bandwidth_bytes_per_s", 0.0)
+            if bandwidth > 0:
+                read_rates.append(bandwidth / self.params.kv_bytes_per_token)
+        prefill_rates = [
+            st.report.rates.get("prefill_tokens_per_s", 0.0)
+            for st in self.engines.live(now, roles=(ROLE_PREFILL,))
+        ]
+        return thresholds_from_rates(
+            read_rates,
+            prefill_rates,
+            alpha_s=self.params.alpha_s,
+            beta_s=self.params.beta_s,
+            z_factor=self.params.z_factor,
+        )
+
+
+class DisaggregatedDispatch:
+    """Places a request (PE, DE, read side) and hands it to both engines: DE first (its buffer), then PE."""
+
+    def __init__(self, dispatcher: Dispatcher, bus: Bus, router_id: str, ack_timeout_s: float) -> None:
+        self.dispatcher = dispatcher
+        self.bus = bus
+        self.router_id = router_id
+        self.ack_timeout_s = ack_timeout_s
+
+    async def dispatch(
+        self,
+        prompt: PreparedPrompt,
+        request_id: str,
+        sampling: SamplingParams,
+        deadline: float,
+        kv: dict,
+        streams: StreamTable,
+    ) -> dict[str, float]:
+        """Return the router-side timings (schedule_s, allocate_s); raise if no engine pair takes it."""
+        params = self.dispatcher.params
+        hits = int(kv.get("num_hit_blocks", 0))
+        started = time.monotonic()
+        placement = await self.dispatcher.place(
+            PendingRequest(
+                request_id=request_id,
+                prompt_tokens=len(prompt.token_ids),
+                hit_tokens=hits * params.block_size,
+                hbm_need_tokens=len(prompt.token_ids) + prompt.max_tokens,
+            ),
+            deadline,
+        )
+        placed = time.monotonic()
+        metrics.TTFT_STAGE.labels("schedule").observe(placed - started)
+        streams.assign(request_id, placement.de_id)
+        streams.assign(request_id, placement.pe_id)
+        read_side = placement.read_side.value if placement.read_side is not None else ""
+        common: dict[str, Any] = {
+            "request_id": request_id,
+            "router_id": self.router_id,
+            "prompt_token_ids": prompt.token_ids,
+            "sampling": sampling,
+            "deadline_unix_s": time.time() + (deadline - time.monotonic()),
+            "read_side": read_side,
+            "num_hit_blocks": hits if read_side else 0,
+            "session_id": prompt.request.session_id,
+        }
+        de_ack = await self._ask(
+            placement.de_id, DecodeTask(pe_id=placement.pe_id, **common), DecodeAck, deadline
+        )
+        if not de_ack.accepted or de_ack.buffer is None:
+            raise error_from_code(de_ack.code or "overloaded", de_ack.message or "decode engine refused")
+        timings = {"schedule_s": placed - started}
+        timings["allocate_s"] = time.monotonic() - placed
+        task = PrefillTask(
+            de_buffer=de_ack.buffer, is_layerwise=params.policy != "basic", timings=timings, **common
+        )
+        pe_ack = await self._ask(placement.pe_id, task, TaskAck, deadline)
+        if not pe_ack.accepted:
+            raise error_from_code(pe_ack.code or "overloaded", pe_ack.message or "prefill engine refused")
+        timings["allocate_s"] = time.monotonic() - placed
+        metrics.TTFT_STAGE.labels("allocate").observe(timings["allocate_s"])
+        return timings
+
+    async def _ask(self, engine_id: str, task: Message, reply: type[R], deadline: float) -> R:
+        timeout = min(self.ack_timeout_s, max(0.01, deadline - time.monotonic()))
+        return await self.bus.request(self.bus.subjects.task(engine_id), task, reply, timeout_s=timeout)
