@@ -20,7 +20,12 @@ from collections.abc import Sequence
 # modules with `register(subparsers)` adding top-level subcommands
 _COMMAND_MODULES = ("services.launcher", "gpu.commands", "loadgen.cli")
 # modules with `register_bench(subparsers)` adding `kvpath bench <name>`
-_BENCH_MODULES: tuple[str, ...] = ("gpu.commands", "shared.transport.bench")
+_BENCH_MODULES: tuple[str, ...] = (
+    "gpu.commands",
+    "shared.transport.bench",
+    "services.storage.bench",
+    "services.index.bench",
+)
 # `kvpath serve <name>` runs `<module>.main(argv)`
 SERVICE_MODULES = {
     "router": "services.router.__main__",

@@ -54,7 +54,7 @@ class EventFeed:
             raise nats.errors.Error("event feed not open")
         try:
             return await self._sub.fetch(self.fetch_batch, timeout=self.fetch_wait_s)
-        except nats.errors.TimeoutError:
+        except (nats.errors.TimeoutError, TimeoutError):  # nats-py raises either when nothing arrived
             return []
 
     async def num_pending(self) -> int:

@@ -33,6 +33,8 @@ from shared.protocol.kv import StorageReadReply, StorageReadRequest
 
 _U64_MAX = (1 << 64) - 1
 
+_MAX_JOB_BYTES = 16 * 1024 * 1024  # one I/O-thread job reads at most this much (cancel granularity)
+
 BadBlockReporter = Callable[[str, list[int]], None]  # (reason, block hashes)
 
 
@@ -164,7 +166,7 @@ class BlockReader:
     async def _run(self, req: StorageReadRequest, num_blocks: int, pending: _PendingRead) -> StorageReadReply:
         block_bytes = req.block_bytes
         offset = await self._allocate(num_blocks * block_bytes)
-        ios: list[concurrent.futures.Future[ReadOutcome]] = []
+        ios: list[concurrent.futures.Future[list[ReadOutcome]]] = []
         try:
             outcomes = await self._read_blocks(req, offset, num_blocks, pending, ios)
         except BaseException:
@@ -202,45 +204,59 @@ class BlockReader:
         offset: int,
         num_blocks: int,
         pending: _PendingRead,
-        ios: list[concurrent.futures.Future[ReadOutcome]],
+        ios: list[concurrent.futures.Future[list[ReadOutcome]]],
     ) -> list[ReadOutcome | None]:
+        """Read the blocks in runs (one I/O-thread job each); a bad block ends the useful prefix."""
         loop = asyncio.get_running_loop()
         fp_hash = fingerprint_seed(req.fingerprint)
         block_bytes = req.block_bytes
         outcomes: list[ReadOutcome | None] = [None] * num_blocks
         first_bad = num_blocks
+        per_job = max(
+            1, min(-(-num_blocks // self.limits.max_concurrent_reads), _MAX_JOB_BYTES // block_bytes)
+        )
 
-        async def read_one(i: int) -> None:
+        async def read_run(start: int, stop: int) -> None:
             nonlocal first_bad
             async with self._io_slots:
-                if i > first_bad:
+                if start > first_bad:
                     return
-                done_at = self.bucket.reserve(block_bytes, loop.time())
-                dest = self._buffer[offset + i * block_bytes : offset + (i + 1) * block_bytes]
-                io = self._executor.submit(
-                    self.store.read_into,
-                    fp_hash,
-                    req.block_hashes[i],
-                    dest,
-                    verify=self.limits.verify_checksums,
-                )
+                done_at = self.bucket.reserve((stop - start) * block_bytes, loop.time())
+                dest = self._buffer[offset + start * block_bytes : offset + stop * block_bytes]
+                io = self._executor.submit(self._read_run_sync, fp_hash, req.block_hashes[start:stop], dest)
                 ios.append(io)
-                outcome = await asyncio.wrap_future(io)
+                results = await asyncio.wrap_future(io)
                 if done_at > loop.time():
                     await asyncio.sleep(done_at - loop.time())
-            outcomes[i] = outcome
-            pending.blocks_left -= 1
-            metrics.READ_BYTES.inc(block_bytes)
-            if outcome is not ReadOutcome.OK:
-                first_bad = min(first_bad, i)
-                self.catalog.remove((fp_hash, req.block_hashes[i]))
-                return
-            self.catalog.touch((fp_hash, req.block_hashes[i]), time.time())
-            if self.limits.touch_files:
-                self._executor.submit(self.store.touch, fp_hash, req.block_hashes[i])
+            outcomes[start : start + len(results)] = results
+            pending.blocks_left -= stop - start
+            metrics.READ_BYTES.inc(len(results) * block_bytes)
+            now = time.time()
+            for i, outcome in enumerate(results, start):
+                if outcome is ReadOutcome.OK:
+                    self.catalog.touch((fp_hash, req.block_hashes[i]), now)
+                else:
+                    first_bad = min(first_bad, i)
+                    self.catalog.remove((fp_hash, req.block_hashes[i]))
 
-        await asyncio.gather(*(read_one(i) for i in range(num_blocks)))
+        await asyncio.gather(
+            *(read_run(i, min(i + per_job, num_blocks)) for i in range(0, num_blocks, per_job))
+        )
         return outcomes
+
+    def _read_run_sync(self, fp_hash: int, hashes: list[int], dest: memoryview) -> list[ReadOutcome]:
+        """In an I/O thread: read consecutive blocks into `dest`, stopping after the first bad one."""
+        block_bytes = len(dest) // len(hashes)
+        out = []
+        for i, block_hash in enumerate(hashes):
+            view = dest[i * block_bytes : (i + 1) * block_bytes]
+            outcome = self.store.read_into(fp_hash, block_hash, view, verify=self.limits.verify_checksums)
+            out.append(outcome)
+            if outcome is not ReadOutcome.OK:
+                break
+            if self.limits.touch_files:
+                self.store.touch(fp_hash, block_hash)
+        return out
 
     def _reply(
         self,
@@ -298,7 +314,7 @@ class BlockReader:
             self._space_waiters.popleft()
             future.set_result(offset)
 
-    def _free_when_idle(self, offset: int, ios: list[concurrent.futures.Future[ReadOutcome]]) -> None:
+    def _free_when_idle(self, offset: int, ios: list[concurrent.futures.Future[list[ReadOutcome]]]) -> None:
         """Free an extent once no I/O thread writes into it any more."""
         busy = [io for io in ios if not io.done()]
         if not busy:

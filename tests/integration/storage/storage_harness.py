@@ -106,7 +106,7 @@ async def stream_events(bus: Bus) -> list[KvEvent]:
     while True:
         try:
             msgs = await sub.fetch(256, timeout=0.3)
-        except nats.errors.TimeoutError:
+        except (nats.errors.TimeoutError, TimeoutError):  # nats-py raises either when nothing is left
             break
         events.extend(decode(m.data, KV_EVENT_TYPES) for m in msgs)
         for m in msgs:
