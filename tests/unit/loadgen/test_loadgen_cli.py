@@ -186,4 +186,3 @@ def test_compare_and_plot_commands(tmp_path: Path, capsys: pytest.CaptureFixture
     (tmp_path / "junk.json").write_text('{"schema": "other"}')
     rc, _, err = run(capsys, "compare", str(tmp_path / "a.json"), str(tmp_path / "junk.json"))
     assert rc == 2 and "not a loadgen result" in err
-
