@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from shared.bus import MsgContext
@@ -29,9 +30,20 @@ class StorageHandlers:
     async def read(self, msg: StorageReadRequest, ctx: MsgContext) -> StorageReadReply:
         self.service.report_load_now()
         try:
-            return await self.service.reader.read(msg)
+            lease, reason = await self.service.reader.read(msg)
         finally:
             self.service.report_load_now()
+        return StorageReadReply(
+            request_id=msg.request_id,
+            lease_id=lease.lease_id if lease else "",
+            buffer_name=self.service.buffer_name,
+            buffer_epoch=self.service.buffer_epoch,
+            offset=lease.offset if lease else 0,
+            num_blocks=lease.num_blocks if lease else 0,
+            block_bytes=msg.block_bytes,
+            lease_deadline_unix_s=time.time() + lease.deadline_s - time.monotonic() if lease else 0.0,
+            miss_reason=reason,
+        )
 
     async def write(self, msg: StorageWriteRequest, ctx: MsgContext) -> StorageWriteReply:
         return await self.service.writer.write(msg)
@@ -47,7 +59,7 @@ class StorageHandlers:
                 buffer_epoch=self.service.buffer_epoch,
             )
         if isinstance(msg, StorageRelease):
-            released = reader.release(msg.lease_id)
+            released = reader.space.release(msg.lease_id)
             self.service.report_load_now()
             return Ack(ok=released, detail="released" if released else "unknown or expired lease")
         if isinstance(msg, StorageCancel):

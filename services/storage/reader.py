@@ -1,21 +1,18 @@
 """Read path: Full Block files -> the node buffer, under a bandwidth budget, leased to the request.
 
-One read request gets one contiguous extent of the node buffer (so the engine sees a single
-`[n, L, bs, bytes]` view). Blocks are read by I/O threads with one preadv each, straight into the mapped
-buffer, at most `max_concurrent_reads` at a time across all requests, each no faster than the token
-bucket allows. Only the verified leading blocks are leased; a bad block (missing, corrupt, foreign) ends
-the prefix, is removed and reported. Cancelling a read (cancel message, abort, deadline) frees its extent
-once the I/O threads touching it are done.
+Blocks are read by I/O threads in runs of consecutive blocks (one job per run, at most
+`max_concurrent_reads` jobs at once across all requests), each block with preadv straight into its place
+in the mapped node buffer, no faster than the token bucket allows. Only the verified leading blocks are
+leased; a bad block (missing, corrupt, foreign) ends the prefix, is removed and reported. Cancelling a
+read (cancel message, abort, deadline) frees its extent once the I/O threads touching it are done.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,19 +20,19 @@ import numpy as np
 
 from services.storage import metrics
 from services.storage.block_store import BlockStore, ReadOutcome
-from services.storage.leases import Lease, LeaseTable
+from services.storage.leases import Lease
 from services.storage.lru import LruCatalog
+from services.storage.node_buffer import NodeBuffer
 from services.storage.token_bucket import TokenBucket
-from shared.blocks import ExtentAllocator
 from shared.errors import AbortedError, DeadlineExceededError, InvalidRequestError, OverloadedError
 from shared.hashing import fingerprint_seed
-from shared.protocol.kv import StorageReadReply, StorageReadRequest
+from shared.protocol.kv import StorageReadRequest
 
 _U64_MAX = (1 << 64) - 1
-
 _MAX_JOB_BYTES = 16 * 1024 * 1024  # one I/O-thread job reads at most this much (cancel granularity)
 
 BadBlockReporter = Callable[[str, list[int]], None]  # (reason, block hashes)
+_Jobs = list[concurrent.futures.Future[list[ReadOutcome]]]
 
 
 @dataclass(slots=True)
@@ -58,15 +55,13 @@ class ReaderLimits:
 
 
 class BlockReader:
-    """Owns the node buffer's allocator and leases; serves read, release, cancel and lease expiry."""
+    """Serves reads into the node buffer; `space` owns the buffer's extents and leases."""
 
     def __init__(
         self,
         *,
         store: BlockStore,
         buffer_array: np.ndarray,
-        buffer_name: str,
-        buffer_epoch: int,
         bucket: TokenBucket,
         catalog: LruCatalog,
         executor: concurrent.futures.ThreadPoolExecutor,
@@ -74,10 +69,7 @@ class BlockReader:
         report_bad: BadBlockReporter,
     ) -> None:
         self.store = store
-        self.buffer_name = buffer_name
-        self.buffer_epoch = buffer_epoch
-        self.allocator = ExtentAllocator(int(buffer_array.nbytes))
-        self.leases = LeaseTable()
+        self.space = NodeBuffer(int(buffer_array.nbytes))
         self.bucket = bucket
         self.catalog = catalog
         self.limits = limits
@@ -85,11 +77,8 @@ class BlockReader:
         self._executor = executor
         self._report_bad = report_bad
         self._io_slots = asyncio.Semaphore(limits.max_concurrent_reads)
-        self._space_waiters: deque[tuple[int, asyncio.Future[int]]] = deque()
         self._pending: dict[int, _PendingRead] = {}
-        self._tasks: dict[str, set[asyncio.Task[StorageReadReply]]] = {}
-
-    # ------------------------------------------------------------------------------------- queries
+        self._tasks: dict[str, set[asyncio.Task[tuple[Lease | None, str]]]] = {}
 
     @property
     def queue_tokens(self) -> int:
@@ -105,15 +94,14 @@ class BlockReader:
 
     # ---------------------------------------------------------------------------------------- read
 
-    async def read(self, req: StorageReadRequest) -> StorageReadReply:
+    async def read(self, req: StorageReadRequest) -> tuple[Lease | None, str]:
+        """(lease of the verified leading blocks or None, miss reason). Raises on cancel or deadline."""
         self._validate(req)
         if len(self._pending) >= self.limits.max_pending_reads:
             raise OverloadedError(f"{len(self._pending)} reads pending on this node; retry later")
-        num_blocks = min(
-            len(req.block_hashes), (self.allocator.capacity_bytes // 4096 * 4096) // req.block_bytes
-        )
+        num_blocks = min(len(req.block_hashes), self.space.usable_bytes // req.block_bytes)
         if num_blocks == 0:
-            return self._reply(req, None, 0, "buffer_limit")
+            return None, "buffer_limit"
         pending = _PendingRead(req.request_id, req.block_tokens, req.block_bytes, num_blocks)
         self._pending[id(pending)] = pending
         metrics.READ_QUEUE_REQUESTS.inc()
@@ -135,7 +123,9 @@ class BlockReader:
             raise DeadlineExceededError(f"read of {num_blocks} blocks not done within {req.timeout_s}s")
         raise AbortedError(f"read cancelled request_id={req.request_id}")
 
-    def _forget(self, request_id: str, task: asyncio.Task[StorageReadReply], pending: _PendingRead) -> None:
+    def _forget(
+        self, request_id: str, task: asyncio.Task[tuple[Lease | None, str]], pending: _PendingRead
+    ) -> None:
         tasks = self._tasks.get(request_id)
         if tasks is not None:
             tasks.discard(task)
@@ -145,10 +135,8 @@ class BlockReader:
         metrics.READ_QUEUE_REQUESTS.dec()
 
     def _validate(self, req: StorageReadRequest) -> None:
-        if not req.request_id:
-            raise InvalidRequestError("request_id must not be empty", param="request_id")
-        if not req.fingerprint:
-            raise InvalidRequestError("fingerprint must not be empty", param="fingerprint")
+        if not req.request_id or not req.fingerprint:
+            raise InvalidRequestError("request_id and fingerprint must not be empty", param="request_id")
         if not 0 < len(req.block_hashes) <= self.limits.max_blocks_per_request:
             raise InvalidRequestError(
                 f"a read names 1..{self.limits.max_blocks_per_request} blocks, got {len(req.block_hashes)}",
@@ -163,86 +151,81 @@ class BlockReader:
                 f"timeout_s must be > 0 and lease_s in [0, {self.limits.max_lease_s}]", param="lease_s"
             )
 
-    async def _run(self, req: StorageReadRequest, num_blocks: int, pending: _PendingRead) -> StorageReadReply:
+    async def _run(
+        self, req: StorageReadRequest, num_blocks: int, pending: _PendingRead
+    ) -> tuple[Lease | None, str]:
         block_bytes = req.block_bytes
-        offset = await self._allocate(num_blocks * block_bytes)
-        ios: list[concurrent.futures.Future[list[ReadOutcome]]] = []
+        offset = await self.space.allocate(num_blocks * block_bytes)
+        jobs: _Jobs = []
         try:
-            outcomes = await self._read_blocks(req, offset, num_blocks, pending, ios)
+            outcomes = await self._read_blocks(req, offset, num_blocks, pending, jobs)
         except BaseException:
-            self._free_when_idle(offset, ios)
+            self.space.free_when_idle(offset, jobs)
             raise
         num_ok = next((i for i, o in enumerate(outcomes) if o is not ReadOutcome.OK), num_blocks)
+        self._report(req, outcomes, num_ok)
+        reason = ""
+        if num_ok < num_blocks:
+            first_bad = outcomes[num_ok]
+            reason = first_bad.value if first_bad is not None else "cancelled"
+        elif num_blocks < len(req.block_hashes):
+            reason = "buffer_limit"
+        if num_ok == 0:
+            self.space.free(offset)
+            return None, reason
+        self.space.shrink(offset, num_ok * block_bytes)
+        deadline_s = time.monotonic() + (req.lease_s or self.limits.lease_s)
+        lease = Lease(uuid.uuid4().hex, req.request_id, offset, num_ok, block_bytes, deadline_s)
+        self.space.lease(lease)
+        return lease, reason
+
+    def _report(self, req: StorageReadRequest, outcomes: list[ReadOutcome | None], num_ok: int) -> None:
         bad = [(o, req.block_hashes[i]) for i, o in enumerate(outcomes) if o not in (None, ReadOutcome.OK)]
         for bad_outcome in {o for o, _ in bad}:
             self._report_bad(bad_outcome.value, [h for o, h in bad if o is bad_outcome])
         metrics.READS.labels("hit" if num_ok == len(req.block_hashes) else "partial").inc()
         metrics.READ_BLOCKS.labels("ok").inc(num_ok)
-        reason = ""
-        if num_ok < num_blocks:
-            first = outcomes[num_ok]
-            reason = first.value if first is not None else "cancelled"
-        elif num_blocks < len(req.block_hashes):
-            reason = "buffer_limit"
-        if num_ok == 0:
-            self.allocator.free(offset)
-            self._grant_space()
-            return self._reply(req, None, 0, reason)
-        self.allocator.shrink(offset, num_ok * block_bytes)
-        self._grant_space()
-        lease_s = req.lease_s or self.limits.lease_s
-        lease = Lease(
-            uuid.uuid4().hex, req.request_id, offset, num_ok, block_bytes, time.monotonic() + lease_s
-        )
-        self.leases.add(lease)
-        metrics.BUFFER_LEASED_BYTES.set(self.leases.leased_bytes)
-        return self._reply(req, lease, num_ok, reason, time.time() + lease_s)
 
     async def _read_blocks(
-        self,
-        req: StorageReadRequest,
-        offset: int,
-        num_blocks: int,
-        pending: _PendingRead,
-        ios: list[concurrent.futures.Future[list[ReadOutcome]]],
+        self, req: StorageReadRequest, offset: int, num_blocks: int, pending: _PendingRead, jobs: _Jobs
     ) -> list[ReadOutcome | None]:
         """Read the blocks in runs (one I/O-thread job each); a bad block ends the useful prefix."""
         loop = asyncio.get_running_loop()
         fp_hash = fingerprint_seed(req.fingerprint)
         block_bytes = req.block_bytes
         outcomes: list[ReadOutcome | None] = [None] * num_blocks
-        first_bad = num_blocks
         per_job = max(
             1, min(-(-num_blocks // self.limits.max_concurrent_reads), _MAX_JOB_BYTES // block_bytes)
         )
 
         async def read_run(start: int, stop: int) -> None:
-            nonlocal first_bad
             async with self._io_slots:
-                if start > first_bad:
-                    return
+                if any(o is not None and o is not ReadOutcome.OK for o in outcomes[:start]):
+                    return  # past a bad block: nothing here can be used
                 done_at = self.bucket.reserve((stop - start) * block_bytes, loop.time())
                 dest = self._buffer[offset + start * block_bytes : offset + stop * block_bytes]
-                io = self._executor.submit(self._read_run_sync, fp_hash, req.block_hashes[start:stop], dest)
-                ios.append(io)
-                results = await asyncio.wrap_future(io)
+                job = self._executor.submit(self._read_run_sync, fp_hash, req.block_hashes[start:stop], dest)
+                jobs.append(job)
+                results = await asyncio.wrap_future(job)
                 if done_at > loop.time():
                     await asyncio.sleep(done_at - loop.time())
             outcomes[start : start + len(results)] = results
             pending.blocks_left -= stop - start
             metrics.READ_BYTES.inc(len(results) * block_bytes)
-            now = time.time()
-            for i, outcome in enumerate(results, start):
-                if outcome is ReadOutcome.OK:
-                    self.catalog.touch((fp_hash, req.block_hashes[i]), now)
-                else:
-                    first_bad = min(first_bad, i)
-                    self.catalog.remove((fp_hash, req.block_hashes[i]))
+            self._account(fp_hash, req.block_hashes[start:stop], results)
 
         await asyncio.gather(
             *(read_run(i, min(i + per_job, num_blocks)) for i in range(0, num_blocks, per_job))
         )
         return outcomes
+
+    def _account(self, fp_hash: int, hashes: list[int], results: list[ReadOutcome]) -> None:
+        now = time.time()
+        for block_hash, outcome in zip(hashes, results, strict=False):
+            if outcome is ReadOutcome.OK:
+                self.catalog.touch((fp_hash, block_hash), now)
+            else:
+                self.catalog.remove((fp_hash, block_hash))
 
     def _read_run_sync(self, fp_hash: int, hashes: list[int], dest: memoryview) -> list[ReadOutcome]:
         """In an I/O thread: read consecutive blocks into `dest`, stopping after the first bad one."""
@@ -258,111 +241,14 @@ class BlockReader:
                 self.store.touch(fp_hash, block_hash)
         return out
 
-    def _reply(
-        self,
-        req: StorageReadRequest,
-        lease: Lease | None,
-        num_blocks: int,
-        reason: str,
-        lease_deadline_unix_s: float = 0.0,
-    ) -> StorageReadReply:
-        return StorageReadReply(
-            request_id=req.request_id,
-            lease_id=lease.lease_id if lease else "",
-            buffer_name=self.buffer_name,
-            buffer_epoch=self.buffer_epoch,
-            offset=lease.offset if lease else 0,
-            num_blocks=num_blocks,
-            block_bytes=req.block_bytes,
-            lease_deadline_unix_s=lease_deadline_unix_s,
-            miss_reason=reason,
-        )
-
-    # ------------------------------------------------------------------------------- buffer space
-
-    async def _allocate(self, nbytes: int) -> int:
-        """An extent of `nbytes`, waiting in FIFO order for space freed by releases."""
-        if not self._space_waiters:
-            offset = self.allocator.allocate(nbytes)
-            if offset is not None:
-                return offset
-        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        entry = (nbytes, future)
-        self._space_waiters.append(entry)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            if future.done() and not future.cancelled():
-                self.allocator.free(future.result())
-                self._grant_space()
-            raise
-        finally:
-            with contextlib.suppress(ValueError):
-                self._space_waiters.remove(entry)
-
-    def _grant_space(self) -> None:
-        """Hand freed space to waiting reads, oldest first (no overtaking)."""
-        metrics.BUFFER_USED_BYTES.set(self.allocator.used_bytes)
-        while self._space_waiters:
-            nbytes, future = self._space_waiters[0]
-            if future.done():
-                self._space_waiters.popleft()
-                continue
-            offset = self.allocator.allocate(nbytes)
-            if offset is None:
-                return
-            self._space_waiters.popleft()
-            future.set_result(offset)
-
-    def _free_when_idle(self, offset: int, ios: list[concurrent.futures.Future[list[ReadOutcome]]]) -> None:
-        """Free an extent once no I/O thread writes into it any more."""
-        busy = [io for io in ios if not io.done()]
-        if not busy:
-            self.allocator.free(offset)
-            self._grant_space()
-            return
-        loop = asyncio.get_running_loop()
-        left = [len(busy)]
-
-        def one_done() -> None:
-            left[0] -= 1
-            if left[0] == 0:
-                self.allocator.free(offset)
-                self._grant_space()
-
-        for io in busy:
-            io.add_done_callback(lambda _f: loop.call_soon_threadsafe(one_done))
-
-    # --------------------------------------------------------------------------- release / cancel
-
-    def release(self, lease_id: str) -> bool:
-        lease = self.leases.pop(lease_id)
-        if lease is None:
-            return False
-        self._free_lease(lease)
-        return True
+    # --------------------------------------------------------------------------------------- cancel
 
     def cancel(self, request_id: str, *, drop_leases: bool) -> tuple[int, int]:
         """Cancel the request's reads (and drop its leases); return (reads cancelled, leases dropped)."""
         tasks = [t for t in self._tasks.get(request_id, ()) if not t.done()]
         for task in tasks:
             task.cancel()
-        leases = self.leases.pop_request(request_id) if drop_leases else []
-        for lease in leases:
-            self._free_lease(lease)
-        return len(tasks), len(leases)
-
-    def reap_expired(self, now_s: float) -> int:
-        expired = self.leases.pop_expired(now_s)
-        for lease in expired:
-            self._free_lease(lease)
-        metrics.LEASES_EXPIRED.inc(len(expired))
-        return len(expired)
-
-    def _free_lease(self, lease: Lease) -> None:
-        self.allocator.free(lease.offset)
-        metrics.BUFFER_LEASED_BYTES.set(self.leases.leased_bytes)
-        self._grant_space()
+        return len(tasks), self.space.release_request(request_id) if drop_leases else 0
 
     async def drain(self, timeout_s: float) -> None:
         tasks = {t for ts in self._tasks.values() for t in ts}
@@ -373,5 +259,4 @@ class BlockReader:
         for tasks in self._tasks.values():
             for task in tasks:
                 task.cancel()
-        with contextlib.suppress(BufferError):
-            self._buffer.release()
+        self._buffer = memoryview(b"")

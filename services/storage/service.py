@@ -111,8 +111,6 @@ class StorageService(Service):
         self._reader = BlockReader(
             store=self.store,
             buffer_array=segment.array(),
-            buffer_name=self.buffer_name,
-            buffer_epoch=self.buffer_epoch,
             bucket=TokenBucket(c.bandwidth_bytes_per_s, c.burst_bytes),
             catalog=self.catalog,
             executor=self._executor,
@@ -208,7 +206,7 @@ class StorageService(Service):
     async def _reap_leases(self) -> None:
         while True:
             await asyncio.sleep(_LEASE_POLL_S)
-            if self._reader is not None and self._reader.reap_expired(time.monotonic()):
+            if self._reader is not None and self._reader.space.reap_expired(time.monotonic()):
                 self.report_load_now()
 
     def load_report(self, seq: int) -> LoadReport | None:
@@ -229,7 +227,7 @@ class StorageService(Service):
             rates={
                 "read_bandwidth_bytes_per_s": self.config.bandwidth_bytes_per_s,
                 "read_backlog_s": reader.bucket.backlog_s(asyncio.get_running_loop().time()),
-                "buffer_free_bytes": float(reader.allocator.free_bytes),
+                "buffer_free_bytes": float(reader.space.allocator.free_bytes),
                 "store_used_bytes": float(self.catalog.used_bytes),
             },
         )

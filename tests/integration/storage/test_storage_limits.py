@@ -71,18 +71,18 @@ async def test_cancel_and_abort_free_the_buffer(cluster: StorageCluster) -> None
     await write_blocks(node.client, hashes, parents)
     reader = node.service.reader
     read = asyncio.create_task(node.client.read("slow", hashes, deadline_s=60.0))
-    await wait_for(lambda: reader.allocator.used_bytes > 0, 5.0, "the read to start")
+    await wait_for(lambda: reader.space.used_bytes > 0, 5.0, "the read to start")
     await node.client.cancel("slow")
     with pytest.raises(AbortedError):
         await read
-    await wait_for(lambda: reader.allocator.used_bytes == 0 and reader.num_pending == 0, 5.0, "space freed")
+    await wait_for(lambda: reader.space.used_bytes == 0 and reader.num_pending == 0, 5.0, "space freed")
     # the same through the shared abort subject
     read = asyncio.create_task(node.client.read("slow-2", hashes, deadline_s=60.0))
-    await wait_for(lambda: reader.allocator.used_bytes > 0, 5.0, "the second read to start")
+    await wait_for(lambda: reader.space.used_bytes > 0, 5.0, "the second read to start")
     await node.client.bus.publish(node.client.bus.subjects.abort, Abort(request_id="slow-2", reason="test"))
     with pytest.raises(AbortedError):
         await read
-    await wait_for(lambda: reader.allocator.used_bytes == 0, 5.0, "space freed after abort")
+    await wait_for(lambda: reader.space.used_bytes == 0, 5.0, "space freed after abort")
 
 
 async def test_lease_expiry_reclaims_space_and_waiting_reads_get_it(cluster: StorageCluster) -> None:
@@ -95,7 +95,7 @@ async def test_lease_expiry_reclaims_space_and_waiting_reads_get_it(cluster: Sto
     started = time.monotonic()
     second = await node.client.read("waiter", hashes, deadline_s=10.0)  # the holder never releases
     assert second.num_blocks == 4 and time.monotonic() - started >= 0.3
-    assert len(node.service.reader.leases) == 1
+    assert len(node.service.reader.space.leases) == 1
     await second.release()
     # more blocks than the buffer can ever hold: the leading blocks that fit
     more, more_parents = chain(6, seed=9)

@@ -35,9 +35,9 @@ async def test_write_then_read_in_place(cluster: StorageCluster) -> None:
     assert np.array_equal(lease.layer(1), data[:, 1])
     # the views point into the node buffer the service owns: no copy on the way to the engine
     assert node.client._buffer is not None and is_view_of(lease.views, node.client._buffer.array())
-    assert node.service.reader.allocator.used_bytes >= 6 * LAYOUT.full_block_bytes
+    assert node.service.reader.space.used_bytes >= 6 * LAYOUT.full_block_bytes
     await lease.release()
-    assert node.service.reader.allocator.used_bytes == 0 and len(node.service.reader.leases) == 0
+    assert node.service.reader.space.used_bytes == 0 and len(node.service.reader.space.leases) == 0
     await lease.release()  # idempotent
     stored = [e for e in await stream_events(node.client.bus) if isinstance(e, BlockStored)]
     assert [e.block_hashes for e in stored] == [hashes, hashes]
@@ -57,7 +57,7 @@ async def test_partial_prefix_when_a_block_is_missing(cluster: StorageCluster) -
     await lease.release()
     empty = await node.client.read("req-3", hashes[3:], deadline_s=5.0)
     assert empty.num_blocks == 0 and empty.lease_id == "" and empty.views.shape[0] == 0
-    await wait_for(lambda: node.service.reader.allocator.used_bytes == 0, 2.0, "buffer freed")
+    await wait_for(lambda: node.service.reader.space.used_bytes == 0, 2.0, "buffer freed")
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign"])
@@ -163,7 +163,7 @@ async def test_nodes_sharing_a_root_read_each_others_blocks(cluster: StorageClus
     data = await write_blocks(node0.client, hashes, parents)
     lease = await node1.client.read("req-x", hashes, deadline_s=5.0)
     assert lease.num_blocks == 4 and np.array_equal(lease.views, data)
-    assert node1.service.reader.allocator.used_bytes > 0 and node0.service.reader.allocator.used_bytes == 0
+    assert node1.service.reader.space.used_bytes > 0 and node0.service.reader.space.used_bytes == 0
     await lease.release()
     # node 1 writing the same blocks finds them stored and does not account for node 0's files
     result = await node1.client.write(node1.client.stage(4), hashes, parents)
