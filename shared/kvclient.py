@@ -20,8 +20,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -61,7 +62,6 @@ from shared.shm import ShmSegment
 log = logging.getLogger(__name__)
 
 _DUPLICATE_WINDOW_S = 120.0
-_EventBuilder = Callable[[int], KvEvent]
 _CONTROL_TIMEOUT_S = 2.0
 
 
@@ -120,55 +120,34 @@ class KvEventPublisher:
         *,
         block_tokens: int = 0,
     ) -> int:
+        """Announce blocks readable at `location`; return the event's stream sequence."""
         return await self._publish(
-            lambda seq: BlockStored(
-                source=self.source,
-                epoch=self.epoch,
-                seq=seq,
-                sent_at=time.time(),
-                location=location,
-                block_hashes=list(block_hashes),
-                parent_hashes=list(parent_hashes),
-                block_tokens=block_tokens,
-            )
+            BlockStored,
+            location=location,
+            block_hashes=[int(h) for h in block_hashes],
+            parent_hashes=[int(h) for h in parent_hashes],
+            block_tokens=block_tokens,
         )
 
     async def removed(self, location: str, block_hashes: Sequence[int], *, reason: str = "") -> int:
         return await self._publish(
-            lambda seq: BlockRemoved(
-                source=self.source,
-                epoch=self.epoch,
-                seq=seq,
-                sent_at=time.time(),
-                location=location,
-                block_hashes=list(block_hashes),
-                reason=reason,
-            )
+            BlockRemoved, location=location, block_hashes=[int(h) for h in block_hashes], reason=reason
         )
 
     async def cleared(self, locations: Sequence[str], *, reason: str = "") -> int:
-        return await self._publish(
-            lambda seq: Cleared(
-                source=self.source,
-                epoch=self.epoch,
-                seq=seq,
-                sent_at=time.time(),
-                locations=list(locations),
-                reason=reason,
-            )
-        )
+        return await self._publish(Cleared, locations=list(locations), reason=reason)
 
-    async def _publish(self, build: _EventBuilder) -> int:
-        """Publish the event built for the next seq; return its stream sequence."""
+    async def _publish(self, kind: type[KvEvent], **fields: Any) -> int:
+        """Publish the next event of this source; return its stream sequence."""
         async with self._lock:
             self._seq += 1
-            event = build(self._seq)
-            headers = {"Nats-Msg-Id": f"{self.source}:{self.epoch}:{event.seq}"}
+            event = kind(source=self.source, epoch=self.epoch, seq=self._seq, sent_at=time.time(), **fields)
+            headers = {"Nats-Msg-Id": f"{self.source}:{self.epoch}:{self._seq}"}  # server-side dedupe
             try:
                 ack = await self.bus.js.publish(
                     self.subject, encode(event), timeout=self.timeout_s, headers=headers
                 )
-            except nats.errors.TimeoutError as exc:
+            except (nats.errors.TimeoutError, TimeoutError) as exc:
                 raise DeadlineExceededError(f"KV event not acknowledged on {self.subject}") from exc
             except (nats.errors.Error, nats.js.errors.Error) as exc:
                 raise ServiceUnavailableError(f"cannot publish KV event on {self.subject}: {exc!r}") from exc
@@ -442,30 +421,14 @@ class StorageClient:
         Raises StorageError (storage full, I/O error) or ServiceUnavailable/DeadlineExceeded; the engine
         keeps serving either way.
         """
-        if self._staging is None:
-            raise ServiceUnavailableError("StorageClient not started")
-        if not len(block_hashes) == len(parent_hashes) == staged.num_blocks:
-            raise InvalidRequestError(
-                f"{staged.num_blocks} staged blocks, {len(block_hashes)} hashes, {len(parent_hashes)} parents"
-            )
-        bb = self.layout.full_block_bytes
         timeout = timeout_s or self.bus.request_timeout_s
-        msg = StorageWriteRequest(
-            request_id=request_id or uuid.uuid4().hex,
-            fingerprint=self.fingerprint,
-            segment_name=self._staging.name,
-            offsets=[staged.offset + i * bb for i in range(staged.num_blocks)],
-            block_bytes=bb,
-            block_hashes=[int(h) for h in block_hashes],
-            parent_hashes=[int(h) for h in parent_hashes],
-            block_tokens=self.layout.block_size,
-            timeout_s=timeout,
+        msg = self._write_request(
+            staged, block_hashes, parent_hashes, request_id or uuid.uuid4().hex, timeout
         )
+        subject = self.bus.subjects.storage_write(self.node)
         try:
-            reply = await self.bus.request(
-                self.bus.subjects.storage_write(self.node), msg, StorageWriteReply, timeout_s=timeout
-            )
-        except DeadlineExceededError:
+            reply = await self.bus.request(subject, msg, StorageWriteReply, timeout_s=timeout)
+        except (DeadlineExceededError, asyncio.CancelledError):
             self._free_later(staged, timeout)  # the service may still be reading the staged bytes
             raise
         except KvpathError:
@@ -473,6 +436,33 @@ class StorageClient:
             raise
         self.unstage(staged)
         return WriteResult(reply.num_written, reply.num_existing, reply.event_stream_seq)
+
+    def _write_request(
+        self,
+        staged: StagedBlocks,
+        block_hashes: Sequence[int],
+        parent_hashes: Sequence[int],
+        request_id: str,
+        timeout_s: float,
+    ) -> StorageWriteRequest:
+        if self._staging is None:
+            raise ServiceUnavailableError("StorageClient not started")
+        if not len(block_hashes) == len(parent_hashes) == staged.num_blocks:
+            raise InvalidRequestError(
+                f"{staged.num_blocks} staged blocks, {len(block_hashes)} hashes, {len(parent_hashes)} parents"
+            )
+        block_bytes = self.layout.full_block_bytes
+        return StorageWriteRequest(
+            request_id=request_id,
+            fingerprint=self.fingerprint,
+            segment_name=self._staging.name,
+            offsets=[staged.offset + i * block_bytes for i in range(staged.num_blocks)],
+            block_bytes=block_bytes,
+            block_hashes=[int(h) for h in block_hashes],
+            parent_hashes=[int(h) for h in parent_hashes],
+            block_tokens=self.layout.block_size,
+            timeout_s=timeout_s,
+        )
 
     def _free_later(self, staged: StagedBlocks, delay_s: float) -> None:
         loop = asyncio.get_running_loop()

@@ -1,0 +1,96 @@
+"""StorageClient / IndexClient edge cases: services down, staging limits, write deadlines, bad arguments."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shared.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    OverloadedError,
+    ServiceUnavailableError,
+)
+from shared.kvclient import IndexClient, KvEventPublisher, StorageClient
+from tests.integration.storage.storage_harness import (
+    FP,
+    LAYOUT,
+    StorageCluster,
+    chain,
+    wait_for,
+    write_blocks,
+)
+
+
+async def test_services_down_raise_service_unavailable(cluster: StorageCluster) -> None:
+    bus = await cluster.bus("engine")
+    client = StorageClient(bus, 7, LAYOUT, FP, staging_bytes=1 << 20)
+    await client.start()  # storage not up yet: start still succeeds (the buffer is mapped later)
+    try:
+        hashes, parents = chain(2)
+        with pytest.raises(ServiceUnavailableError):
+            await client.read("r", hashes, deadline_s=1.0)
+        staged = client.stage(2)
+        with pytest.raises(ServiceUnavailableError):
+            await client.write(staged, hashes, parents)
+        assert client._staging_alloc is not None and client._staging_alloc.used_bytes == 0  # freed
+        with pytest.raises(ServiceUnavailableError):
+            await IndexClient(bus).match(hashes)
+        assert (await IndexClient(bus).match([])).num_hit_blocks == 0  # nothing to ask
+    finally:
+        await client.close()
+
+
+async def test_staging_limits_and_argument_checks(cluster: StorageCluster) -> None:
+    node = await cluster.start()
+    client = node.client
+    whole = client.staging_bytes // LAYOUT.full_block_bytes
+    staged = client.stage(whole)
+    with pytest.raises(OverloadedError, match="staging segment full"):
+        client.stage(1)
+    client.unstage(staged)
+    client.unstage(staged)  # idempotent
+    staged = client.stage(2)
+    hashes, parents = chain(3)
+    with pytest.raises(InvalidRequestError, match="2 staged blocks, 3 hashes"):
+        await client.write(staged, hashes, parents)
+    client.unstage(staged)
+    with pytest.raises(InvalidRequestError, match="seconds from now"):
+        await client.read("r", hashes, deadline_s=1.7e9)  # an absolute time by mistake
+    empty = await client.read("r", [], deadline_s=1.0)
+    assert empty.num_blocks == 0 and empty.views.shape == (0, *LAYOUT.shape)
+
+
+async def test_write_deadline_keeps_staging_until_the_service_is_done(cluster: StorageCluster) -> None:
+    node = await cluster.start(write_bandwidth_bytes_per_s=20_000.0)  # ~1 s per 16 KiB block
+    hashes, parents = chain(2)
+    staged = node.client.stage(2)
+    with pytest.raises(DeadlineExceededError):
+        await node.client.write(staged, hashes, parents, timeout_s=0.3)
+    alloc = node.client._staging_alloc
+    assert alloc is not None and alloc.used_bytes > 0  # quarantined: the service may still read it
+    await wait_for(lambda: alloc.used_bytes == 0, 5.0, "the quarantined staging space to be freed")
+
+
+async def test_event_publisher_converts_numpy_hashes_and_orders_events(cluster: StorageCluster) -> None:
+    bus = await cluster.bus("publisher")
+    pub = KvEventPublisher(bus, "engine-x")
+    await pub.start()
+    await pub.start()  # the stream exists: idempotent
+    hashes = np.array([1, 2**64 - 1], dtype=np.uint64)
+    seqs = [await pub.stored("hbm:engine-x", hashes), await pub.removed("hbm:engine-x", hashes[:1])]
+    seqs.append(await pub.cleared(["hbm:engine-x"], reason="restart"))
+    assert seqs == sorted(seqs) and len(set(seqs)) == 3
+
+
+async def test_read_after_storage_restart_remaps_the_new_buffer(cluster: StorageCluster) -> None:
+    first = await cluster.start(service_id="storage-first")
+    hashes, parents = chain(2)
+    data = await write_blocks(first.client, hashes, parents)
+    async with await first.client.read("r1", hashes, deadline_s=5.0) as lease:
+        assert np.array_equal(lease.views, data)
+    await first.service.stop()  # the buffer segment is unlinked
+    second = await cluster.start(service_id="storage-second")
+    assert second.service.buffer_epoch != first.service.buffer_epoch
+    async with await first.client.read("r2", hashes, deadline_s=5.0) as lease:  # the old client remaps
+        assert np.array_equal(lease.views, data)
