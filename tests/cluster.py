@@ -122,13 +122,20 @@ class ServiceProcess:
         return self.proc.returncode
 
 
-async def wait_ready(bus: Bus, ids: set[str], procs: list[ServiceProcess], timeout_s: float = 60) -> dict:
+async def wait_ready(
+    bus: Bus,
+    ids: set[str],
+    procs: list[ServiceProcess],
+    timeout_s: float = 60,
+    num_engines: int | None = None,
+) -> dict:
     """Every service registered as ready, and the router seeing every engine's load reports."""
     registry: Registry[ServiceInfo] = Registry(bus, ttl_s=5.0)
     await registry.open()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    num_engines = sum(1 for i in ids if i.startswith("engine"))
+    if num_engines is None:
+        num_engines = sum(1 for i in ids if i.startswith("engine"))
     while True:
         ready = {s.service_id: s for s in await registry.list() if s.status == "ready"}
         if ids <= ready.keys() and await router_sees(ready["router-0"].http_url, num_engines):

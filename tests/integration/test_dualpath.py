@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -9,8 +10,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.cluster import UpProcess
-from tests.integration.test_kv_reuse import run_session
+from shared.bus import Bus
+from tests.cluster import Stack, UpProcess, wait_ready
+from tests.integration.test_kv_reuse import complete, run_session
 
 pytestmark = pytest.mark.slow
 
@@ -80,3 +82,69 @@ def test_topology_has_no_colocated_engine(disagg: UpProcess, tmp_path: Path) -> 
     names = sorted(disagg.services)
     assert any(n.startswith("pe") for n in names) and any(n.startswith("de") for n in names)
     assert not any(n.startswith("engine") for n in names)
+
+
+async def test_read_side_node_death_fails_the_request_and_the_rest_recovers(
+    stack: tuple[Stack, Bus], tmp_path: Path
+) -> None:
+    s, bus = stack
+    root = str(tmp_path / "store")
+    s.start("index", "index-0")
+    s.start("storage", "storage-0", "--node", "0", "--root", root)
+    nodes = {}  # decode nodes read slowly, so one can die in the middle of a read
+    for node, de in ((1, "de-a"), (2, "de-b")):
+        storage = s.start(
+            "storage",
+            f"storage-{node}",
+            "--node",
+            str(node),
+            "--root",
+            root,
+            "--bandwidth-bytes-per-s",
+            "250000",
+        )
+        nodes[node] = (storage, s.start("engine", de, "--role", "decode", "--node", str(node)), de)
+    s.start("engine", "pe-0", "--role", "prefill", "--node", "0")
+    s.start(
+        "router",
+        "router-0",
+        "--http-port",
+        "0",
+        "--policy",
+        "dualpath",
+        "--force-read-side",
+        "de",
+        "--engine-silence-timeout-s",
+        "1.0",
+    )
+    ids = {"index-0", "storage-0", "storage-1", "storage-2", "pe-0", "de-a", "de-b", "router-0"}
+    ready = await wait_ready(bus, ids, s.procs, num_engines=3)
+    url = ready["router-0"].http_url
+    prompt = [3 + i % 250 for i in range(400)]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        first = await complete(http, url, prompt, 4, "n")  # persists the prompt's 6 full blocks
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+        request = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body))
+        node = await reading_node(http, {n: ready[f"storage-{n}"].http_url for n in nodes})
+        storage, engine, de = nodes[node]
+        storage.kill()  # the read-side node dies mid-read: its storage and its decode engine
+        engine.kill()
+        resp = await request
+        error = (await resp.json())["error"]
+        assert resp.status in (502, 503, 504) and de in error["message"], error
+        # the surviving engines serve the session on (decode and read on the other node)
+        again = await complete(http, url, prompt, 4, "n")
+        assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 384
+
+
+async def reading_node(http: aiohttp.ClientSession, storage_urls: dict[int, str]) -> int:
+    """The node whose storage service has a read in progress (waits for one, with a deadline)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+    while True:
+        for node, url in storage_urls.items():
+            if await metric(http, url, "kvpath_storage_read_requests_pending") >= 1:
+                return node
+        assert loop.time() < deadline, "no storage read started"
+        await asyncio.sleep(0.02)
