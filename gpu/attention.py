@@ -17,8 +17,9 @@ import torch.nn.functional as F
 
 from gpu.arch_config import ArchConfig
 from gpu.batch import ForwardBatch, SeqSpan
-from gpu.layers import Linear, rms_norm
-from gpu.rope import apply_rotary
+from gpu.layers import rms_norm
+from gpu.linear import Linear
+from gpu.rope import apply_rotary, interleave_halves
 
 SCORE_ELEMENTS = 1 << 24  # bound on one [heads, queries, keys] score chunk of absorbed MLA prefill
 
@@ -73,6 +74,11 @@ class GqaAttention:
     def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.scale = arch.softmax_scale
+        for name, heads in (("q_proj", self.num_heads), ("k_proj", self.num_kv_heads)):  # RoPE pairs adjacent
+            for kind in ("weight", "bias"):
+                key = f"{prefix}{name}.{kind}"
+                if key in weights:
+                    weights[key] = interleave_halves(weights[key], heads)
         self.qkv = Linear.fused(weights, [prefix + n for n in ("q_proj", "k_proj", "v_proj")])
         self.o_proj = Linear.fused(weights, [prefix + "o_proj"])
 
@@ -81,11 +87,8 @@ class GqaAttention:
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
         qk = apply_rotary(
-            qkv[:, : (heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim),
-            batch.cos,
-            batch.sin,
-            is_interleaved=False,
-        )
+            qkv[:, : (heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim), batch.rope
+        ).to(x.dtype)
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, (heads + kv_heads) * head_dim :]
         kv.write(batch, torch.cat((k.reshape(num_tokens, -1), v), dim=-1))
@@ -142,7 +145,7 @@ class MlaAttention:
         self.kv_a_norm = weights[prefix + "kv_a_layernorm.weight"]
         kv_b = weights.pop(prefix + "kv_b_proj.weight")
         per_head = kv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
-        self.kv_b_weight = kv_b  # [H*(nope+v), rank] for the expanded form
+        self.kv_b_proj = Linear(kv_b, None)  # [H*(nope+v), rank] for the expanded form
         self.w_uk = per_head[:, : self.nope_dim].contiguous()  # [H, nope, rank]
         self.w_uv_t = per_head[:, self.nope_dim :].transpose(1, 2).contiguous()  # [H, rank, v]
         self.o_proj = Linear.fused(weights, [prefix + "o_proj"])
@@ -155,10 +158,10 @@ class MlaAttention:
             q = self.q_b_proj(rms_norm(q, self.q_a_norm, self.eps))
         q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope = q[..., : self.nope_dim]
-        q_pe = apply_rotary(q[..., self.nope_dim :], batch.cos, batch.sin, is_interleaved=True)
+        q_pe = apply_rotary(q[..., self.nope_dim :], batch.rope).to(x.dtype)
         latent = rms_norm(projected[:, self.q_split : self.q_split + self.rank], self.kv_a_norm, self.eps)
         k_pe = projected[:, self.q_split + self.rank :].view(num_tokens, 1, self.rope_dim)
-        k_pe = apply_rotary(k_pe, batch.cos, batch.sin, is_interleaved=True)
+        k_pe = apply_rotary(k_pe, batch.rope).to(x.dtype)
         kv.write(batch, torch.cat((latent, k_pe.view(num_tokens, self.rope_dim)), dim=-1))
         if batch.is_decode:
             out = self._decode(q_nope, q_pe, batch, kv)
@@ -225,7 +228,7 @@ class MlaAttention:
             )
         mask = None if span.num_cached == 0 else _causal_mask(span, q_nope.device)
         causal = {"is_causal": True} if mask is None else {"attn_mask": mask}
-        expanded = F.linear(context[:, : self.rank], self.kv_b_weight).view(
+        expanded = self.kv_b_proj(context[:, : self.rank]).view(
             span.context_len, self.num_heads, self.nope_dim + self.v_dim
         )
         k_pe = context[:, None, self.rank :].expand(-1, self.num_heads, -1)

@@ -34,8 +34,7 @@ class SeqSpan:
 class ForwardBatch:
     token_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    cos: torch.Tensor  # [T, rope_dim/2]
-    sin: torch.Tensor
+    rope: torch.Tensor  # [T, rope_dim/2] complex rotation per token
     slot_rows: torch.Tensor  # [T] row of each new token's layer-0 KV in the flat cache view
     logit_rows: torch.Tensor  # rows whose logits are wanted
     is_decode: bool
@@ -125,23 +124,25 @@ def build_decode_batch(
 ) -> ForwardBatch:
     """`seqs`: (block_ids, num_cached_tokens, token_id); the token sits at position num_cached_tokens."""
     batch_size = len(seqs)
-    context_lens = np.asarray([num_cached + 1 for _, num_cached, _ in seqs], dtype=np.int64)
-    max_blocks = int(-(-context_lens.max() // geom.block_size))
+    positions = np.fromiter((num_cached for _, num_cached, _ in seqs), dtype=np.int64, count=batch_size)
+    token_ids = np.fromiter((token for _, _, token in seqs), dtype=np.int64, count=batch_size)
+    num_blocks = np.fromiter((len(block_ids) for block_ids, _, _ in seqs), dtype=np.int64, count=batch_size)
+    used = positions // geom.block_size + 1
+    _check_decode(geom, positions, token_ids, num_blocks)
+    max_blocks = int(used.max())
     tables = np.zeros((batch_size, max_blocks), dtype=np.int64)  # padding points at block 0, masked out
-    rows = np.empty(batch_size, dtype=np.int64)
-    for i, (block_ids, num_cached, token_id) in enumerate(seqs):
-        _check_seq(geom, block_ids, num_cached + 1, (token_id,))
-        used = -(-(num_cached + 1) // geom.block_size)
-        tables[i, :used] = block_ids[:used]
-        rows[i] = _slot_rows(geom, tables[i, :used], np.asarray([num_cached]))[0]
+    for i, (block_ids, _, _) in enumerate(seqs):
+        tables[i, : used[i]] = block_ids[: used[i]]
+    blocks = tables[np.arange(batch_size), positions // geom.block_size]
+    rows = (blocks * geom.num_layers) * geom.block_size + positions % geom.block_size
     key_positions = np.arange(max_blocks * geom.block_size)
-    bias = np.where(key_positions[None, :] < context_lens[:, None], 0.0, -np.inf).astype(np.float32)
+    bias = np.where(key_positions[None, :] <= positions[:, None], 0.0, -np.inf).astype(np.float32)
     batch = _finish(
         geom,
         rotary,
         device,
-        token_ids=np.asarray([t for _, _, t in seqs], dtype=np.int64),
-        positions=context_lens - 1,
+        token_ids=token_ids,
+        positions=positions,
         slot_rows=rows,
         logit_rows=np.arange(batch_size, dtype=np.int64),
         spans=[],
@@ -150,6 +151,25 @@ def build_decode_batch(
     batch.block_tables = torch.from_numpy(tables).to(device)
     batch.key_bias = torch.from_numpy(bias[:, None, None, :]).to(device=device, dtype=dtype)
     return batch
+
+
+def _check_decode(
+    geom: CacheGeometry, positions: np.ndarray, tokens: np.ndarray, num_blocks: np.ndarray
+) -> None:
+    if positions.size == 0:
+        raise InvalidRequestError("decode of an empty batch")
+    if int(positions.max()) >= geom.max_model_len:
+        raise ContextLengthExceededError(
+            f"context of {int(positions.max()) + 1} tokens exceeds the model's limit of {geom.max_model_len}"
+        )
+    short = np.flatnonzero(num_blocks * geom.block_size <= positions)
+    if short.size:
+        i = int(short[0])
+        raise InvalidRequestError(
+            f"{num_blocks[i]} blocks of {geom.block_size} cannot hold a context of {positions[i] + 1} tokens"
+        )
+    if int(tokens.min()) < 0 or int(tokens.max()) >= geom.vocab_size:
+        raise InvalidRequestError(f"token id out of range 0..{geom.vocab_size - 1}")
 
 
 def _finish(
@@ -165,12 +185,11 @@ def _finish(
 ) -> ForwardBatch:
     host = torch.from_numpy(np.stack((token_ids, positions, slot_rows)))
     token_t, pos_t, rows_t = host.to(device).unbind(0)
-    cos, sin = rotary.lookup(pos_t, int(positions.max()))
+    rope = rotary.lookup(pos_t, int(positions.max()))
     return ForwardBatch(
         token_ids=token_t,
         positions=pos_t,
-        cos=cos,
-        sin=sin,
+        rope=rope,
         slot_rows=rows_t,
         logit_rows=torch.from_numpy(logit_rows).to(device),
         is_decode=False,

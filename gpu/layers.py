@@ -6,39 +6,16 @@ import torch
 import torch.nn.functional as F
 
 from gpu.arch_config import ArchConfig
+from gpu.linear import Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As transformers computes it: normalize in fp32, cast back, then scale."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if x.dtype == torch.float32:  # fewest kernels: this runs twice per layer and step
+        return torch.mul(x, torch.mean(x * x, dim=-1, keepdim=True).add_(eps).rsqrt_()).mul_(weight)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
-
-
-class Linear:
-    """y = x W^T (+ b); several HF projections reading the same input are concatenated into one matmul."""
-
-    __slots__ = ("bias", "weight")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight = weight
-        self.bias = bias
-
-    @classmethod
-    def fused(cls, weights: dict[str, torch.Tensor], prefixes: list[str]) -> Linear:
-        """Pop `<prefix>.weight` (and `.bias` where present) from `weights`, stacked along the output."""
-        mats = [weights.pop(p + ".weight") for p in prefixes]
-        biases = [weights.pop(p + ".bias", None) for p in prefixes]
-        weight = mats[0] if len(mats) == 1 else torch.cat(mats, dim=0)
-        if all(b is None for b in biases):
-            return cls(weight, None)
-        full = [b if b is not None else m.new_zeros(m.shape[0]) for b, m in zip(biases, mats, strict=True)]
-        return cls(weight, torch.cat(full))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class DenseMlp:
@@ -47,7 +24,7 @@ class DenseMlp:
     def __init__(self, weights: dict[str, torch.Tensor], prefix: str) -> None:
         self.gate_up = Linear.fused(weights, [prefix + "gate_proj", prefix + "up_proj"])
         self.down = Linear.fused(weights, [prefix + "down_proj"])
-        self.inner = self.gate_up.weight.shape[0] // 2
+        self.inner = self.gate_up.out_features // 2
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
@@ -62,19 +39,19 @@ class MoeMlp:
         self.topk_method, self.n_group, self.topk_group = arch.topk_method, arch.n_group, arch.topk_group
         self.norm_topk_prob, self.scaling = arch.norm_topk_prob, arch.routed_scaling_factor
         self.router = weights.pop(prefix + "gate.weight").float()
-        if prefix + "experts.gate_up_proj" in weights:
-            self.w_gate_up = weights.pop(prefix + "experts.gate_up_proj")  # [E, 2I, H]
-            self.w_down = weights.pop(prefix + "experts.down_proj")  # [E, H, I]
+        if prefix + "experts.gate_up_proj" in weights:  # fused layout: [E, 2I, H] and [E, H, I]
+            gate_up = list(weights.pop(prefix + "experts.gate_up_proj").unbind(0))
+            down = list(weights.pop(prefix + "experts.down_proj").unbind(0))
         else:
             experts = [f"{prefix}experts.{e}." for e in range(self.num_experts)]
-            self.w_gate_up = torch.stack(
-                [
-                    torch.cat((weights.pop(p + "gate_proj.weight"), weights.pop(p + "up_proj.weight")))
-                    for p in experts
-                ]
-            )
-            self.w_down = torch.stack([weights.pop(p + "down_proj.weight") for p in experts])
-        self.inner = self.w_down.shape[-1]
+            gate_up = [
+                torch.cat((weights.pop(p + "gate_proj.weight"), weights.pop(p + "up_proj.weight")))
+                for p in experts
+            ]
+            down = [weights.pop(p + "down_proj.weight") for p in experts]
+        self.expert_gate_up = [Linear(w.contiguous(), None) for w in gate_up]
+        self.expert_down = [Linear(w.contiguous(), None) for w in down]
+        self.inner = down[0].shape[-1]
         self.shared = DenseMlp(weights, prefix + "shared_experts.") if arch.n_shared_experts else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,9 +86,9 @@ class MoeMlp:
             if count == 0:
                 continue
             end = start + count
-            gate_up = F.linear(x_sorted[start:end], self.w_gate_up[expert])
+            gate_up = self.expert_gate_up[expert](x_sorted[start:end])
             hidden = F.silu(gate_up[:, : self.inner]) * gate_up[:, self.inner :]
-            y[start:end] = F.linear(hidden, self.w_down[expert])
+            y[start:end] = self.expert_down[expert](hidden)
             start = end
         y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_rows, y)

@@ -15,6 +15,7 @@ from gpu.arch_config import ArchConfig
 from gpu.attention import GqaAttention, KVLayer, MlaAttention
 from gpu.batch import ForwardBatch
 from gpu.layers import DenseMlp, MoeMlp, rms_norm
+from gpu.linear import Linear
 from gpu.rope import RotaryTable
 from gpu.weights import load_weights
 
@@ -47,12 +48,11 @@ class Transformer:
         self.dtype = dtype
         self.embedding = weights.pop("model.embed_tokens.weight")
         lm_head = weights.pop("lm_head.weight", None)
-        self.lm_head = self.embedding if lm_head is None else lm_head
+        self.lm_head = Linear(self.embedding if lm_head is None else lm_head, None)
         self.final_norm = weights.pop("model.norm.weight")
         self.layers = [DecoderLayer(arch, weights, layer) for layer in range(arch.num_layers)]
-        self.rotary = RotaryTable(
-            arch.rope, device=device, dtype=dtype, initial_len=min(arch.max_position_embeddings, 4096)
-        )
+        initial_len = min(arch.max_position_embeddings, 4096)
+        self.rotary = RotaryTable(arch.rope, device=device, initial_len=initial_len)
 
     @classmethod
     def load(cls, model_dir: str | Path, arch: ArchConfig, *, device: str, dtype: torch.dtype) -> Transformer:
@@ -71,7 +71,7 @@ class Transformer:
     def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits [len(batch.logit_rows), vocab]."""
         rows = hidden.index_select(0, batch.logit_rows)
-        return F.linear(rms_norm(rows, self.final_norm, self.arch.rms_norm_eps), self.lm_head).float()
+        return self.lm_head(rms_norm(rows, self.final_norm, self.arch.rms_norm_eps)).float()
 
     def forward(self, batch: ForwardBatch, kv_tensor: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(batch)

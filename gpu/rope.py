@@ -65,42 +65,46 @@ def _yarn(rope: RopeConfig, base_freq: torch.Tensor) -> tuple[torch.Tensor, floa
 
 
 class RotaryTable:
-    """cos/sin per position, [num_positions, dim/2] each, on the model's device in the model's dtype."""
+    """Rotation per position as complex numbers cos + i sin (times the yarn attention factor),
+    [num_positions, dim/2] complex64 on the model's device."""
 
-    def __init__(
-        self, rope: RopeConfig, *, device: torch.device, dtype: torch.dtype, initial_len: int = 4096
-    ):
+    def __init__(self, rope: RopeConfig, *, device: torch.device, initial_len: int = 4096) -> None:
         self.rope = rope
         self.inv_freq, self.attention_factor = inv_frequencies(rope)
         self.device = device
-        self.dtype = dtype
-        self.cos = torch.empty(0, device=device)
-        self.sin = torch.empty(0, device=device)
+        self.freqs = torch.empty(0, dtype=torch.complex64, device=device)
         self._build(initial_len)
 
     def _build(self, length: int) -> None:
         positions = torch.arange(length, dtype=torch.float32)
-        freqs = positions[:, None] * self.inv_freq[None, :]
-        self.cos = (freqs.cos() * self.attention_factor).to(self.device, self.dtype)
-        self.sin = (freqs.sin() * self.attention_factor).to(self.device, self.dtype)
+        angles = positions[:, None] * self.inv_freq[None, :]
+        cos, sin = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+        self.freqs = torch.complex(cos, sin).to(self.device)
 
-    def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) rows for `positions` (a device tensor); `max_position` is its largest value."""
-        if max_position >= self.cos.shape[0]:
-            self._build(max(2 * self.cos.shape[0], max_position + 1))
-        return self.cos[positions], self.sin[positions]
+    def lookup(self, positions: torch.Tensor, max_position: int) -> torch.Tensor:
+        """Rows for `positions` (a device tensor); `max_position` is its largest value."""
+        if max_position >= self.freqs.shape[0]:
+            self._build(max(2 * self.freqs.shape[0], max_position + 1))
+        return self.freqs[positions]
 
 
-def apply_rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, is_interleaved: bool
-) -> torch.Tensor:
-    """Rotate `x` [tokens, heads, dim] by per-token cos/sin [tokens, dim/2]; returns a new tensor."""
-    cos = cos[:, None, :]
-    sin = sin[:, None, :]
-    if is_interleaved:  # pairs (x0, x1), (x2, x3), ...: complex multiply, as DeepSeek does
-        pairs = x.unflatten(-1, (-1, 2))
-        even, odd = pairs[..., 0], pairs[..., 1]
-        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    first, second = x[..., :half], x[..., half:]
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+def apply_rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` [tokens, heads, dim] whose dims are (re, im) pairs by per-token `freqs` [tokens, dim/2];
+    returns a new tensor. Computed in fp32 (one complex multiply), as DeepSeek does."""
+    if x.dtype != torch.float32 or x.storage_offset() % 2:
+        x = x.float().contiguous() if x.dtype != torch.float32 else x.contiguous()
+    rotated = torch.view_as_complex(x.unflatten(-1, (-1, 2))) * freqs[:, None, :]
+    return torch.view_as_real(rotated).flatten(-2)
+
+
+def interleave_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reorder each head's output rows from (first half, second half) to (x0, x_half, x1, x_half+1, ...).
+
+    Llama/Qwen2 rotate dim i with dim i + d/2; after this permutation of q_proj/k_proj rows those pairs are
+    adjacent, so the same complex-multiply RoPE applies. q.k is unchanged (both get the same permutation);
+    only the order of K's dims inside our own cache rows differs from transformers'."""
+    head_dim = weight.shape[0] // num_heads
+    half = head_dim // 2
+    order = torch.stack((torch.arange(half), torch.arange(half, head_dim)), dim=-1).flatten()
+    index = (torch.arange(num_heads)[:, None] * head_dim + order[None, :]).flatten().to(weight.device)
+    return weight.index_select(0, index)

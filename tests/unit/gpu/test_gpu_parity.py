@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from gpu.layers import DenseMlp
 from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq
 
 TOLERANCE = 1e-4
@@ -166,3 +167,24 @@ async def test_embedded_models_match_transformers(runner: ModelRunner) -> None:
         assert (ours - _hf_logits(model, ids)).abs().max().item() < TOLERANCE
     finally:
         runner.kv.free(blocks)
+
+
+async def test_plain_and_onednn_linear_agree(model_cache: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU fast path (oneDNN-packed weights) and plain F.linear give the same model."""
+    from gpu import linear
+
+    ids = list(range(3, 70))
+    logits = []
+    for use_onednn in (True, False):
+        monkeypatch.setattr(linear, "USE_ONEDNN", use_onednn)
+        runner = ModelRunner.load("tiny-mla", cache_dir=model_cache, num_kv_blocks=4)
+        try:
+            dense_mlp = runner.model.layers[0].mlp
+            assert isinstance(dense_mlp, DenseMlp)
+            packed = dense_mlp.gate_up.packed
+            assert (packed is not None) == (use_onednn and linear._onednn_available())
+            blocks = runner.kv.allocate(2)
+            logits.append(await runner.prefill_logits([PrefillSeq("s", blocks, 0, ids)], all_tokens=True))
+        finally:
+            runner.close()
+    assert (logits[0] - logits[1]).abs().max().item() < 1e-5
