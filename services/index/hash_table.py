@@ -52,8 +52,12 @@ class U64Table:
 
     # -------------------------------------------------------------------------------------- queries
 
-    def find(self, keys: np.ndarray) -> np.ndarray:
-        """Slot of each key, -1 where absent."""
+    def find(self, keys: np.ndarray, *, prefix_only: bool = False) -> np.ndarray:
+        """Slot of each key, -1 where absent.
+
+        `prefix_only`: only the keys before the first absent one matter (a prefix match); probing stops
+        for every later key as soon as an earlier key is known to be absent, and those report -1.
+        """
         result = np.full(keys.size, -1, dtype=np.int64)
         if keys.size == 0 or self.num_live == 0:
             return result
@@ -64,13 +68,16 @@ class U64Table:
             states = self.states[pos]
             hit = (states == _FULL) & (self.keys[pos] == keys[idx])
             result[idx[hit]] = pos[hit]
-            go_on = ~hit & (states != _EMPTY)
+            absent = states == _EMPTY
+            go_on = ~hit & ~absent
+            if prefix_only and absent.any():
+                go_on &= idx < idx[absent].min()
             idx, pos = idx[go_on], (pos[go_on] + 1) & mask
         return result
 
-    def get(self, keys: np.ndarray) -> np.ndarray:
-        """Value of each key, 0 where absent."""
-        slots = self.find(keys)
+    def get(self, keys: np.ndarray, *, prefix_only: bool = False) -> np.ndarray:
+        """Value of each key, 0 where absent (see `find` for `prefix_only`)."""
+        slots = self.find(keys, prefix_only=prefix_only)
         out = np.zeros(keys.size, dtype=np.uint64)
         found = slots >= 0
         out[found] = self.values[slots[found]]

@@ -112,7 +112,7 @@ class BlockIndex:
 
     def match(self, block_hashes: Sequence[int] | np.ndarray) -> MatchOutcome:
         """Leading hits of a hash chain: in any location, per tier and per location (absent = 0)."""
-        masks = self.table.get(_as_keys(block_hashes))
+        masks = self.table.get(_as_keys(block_hashes), prefix_only=True)
         if masks.size == 0 or masks[0] == 0:
             return MatchOutcome(0)
         outcome = MatchOutcome(_prefix_len(masks != 0))

@@ -144,3 +144,15 @@ def _replay_of_last(index: BlockIndex, source: str) -> BlockStored:
     """The last event applied for `source`, as a stream replay would deliver it again."""
     epoch, seq = index.sources[source]
     return BlockStored(source=source, epoch=epoch, seq=seq, location="store", block_hashes=[1])
+
+
+def test_prefix_only_lookups_stop_after_the_first_absent_key() -> None:
+    table = U64Table()
+    table.or_values(np.array([1, 2, 4, 5], dtype=np.uint64), 1)
+    keys = np.array([1, 2, 3, 4, 5], dtype=np.uint64)
+    assert table.get(keys).tolist() == [1, 1, 0, 1, 1]
+    full = table.get(keys, prefix_only=True).tolist()
+    assert full[:3] == [1, 1, 0]  # what follows the first absent key does not matter to a prefix match
+    index = BlockIndex()
+    index.apply(stored([1, 2, 4, 5]))
+    assert index.match([1, 2, 3, 4, 5]).num_hit_blocks == 2
