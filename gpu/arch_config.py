@@ -31,8 +31,7 @@ class RopeConfig:
 
     rope_type: str
     theta: float
-    dim: int  # rotated dims per head
-    is_interleaved: bool  # DeepSeek rotates adjacent pairs; Llama/Qwen2 rotate the two halves
+    dim: int  # rotated dims per head (DeepSeek rotates adjacent pairs, Llama/Qwen2 the two halves)
     factor: float = 1.0
     original_max_position_embeddings: int = 0
     beta_fast: float = 32.0
@@ -137,6 +136,16 @@ def load_arch_config(model_dir: str | Path) -> ArchConfig:
 def parse_arch_config(
     raw: dict[str, Any], generation: dict[str, Any], *, source: str = "config.json"
 ) -> ArchConfig:
+    get = _Getter(raw, source)
+    common = _common_fields(get, _supported_architecture(raw, source), generation)
+    if common["attention"] == "mla":
+        return _parse_mla(raw, get, common)
+    if common["num_heads"] % common["num_kv_heads"]:
+        raise CheckpointError(f"{source}: num_attention_heads not a multiple of num_key_value_heads")
+    return ArchConfig(**common, rope=_parse_rope(raw, get, dim=common["head_dim"]))
+
+
+def _supported_architecture(raw: dict[str, Any], source: str) -> str:
     archs = raw.get("architectures") or []
     supported = [a for a in archs if a in ARCHITECTURES]
     if not supported:
@@ -144,18 +153,20 @@ def parse_arch_config(
             f"{source}: unsupported architecture {archs or 'None'}; supported: {', '.join(ARCHITECTURES)}",
             param="architectures",
         )
-    arch = supported[0]
-    get = _Getter(raw, source)
-    if get.opt("hidden_act", "silu") != "silu":
+    if (raw.get("hidden_act") or "silu") != "silu":
         raise UnsupportedModelError(
             f"{source}: hidden_act={raw['hidden_act']!r} is not supported (silu only)"
         )
-    if arch == "Qwen2ForCausalLM" and raw.get("use_sliding_window"):
+    if supported[0] == "Qwen2ForCausalLM" and raw.get("use_sliding_window"):
         raise UnsupportedModelError(f"{source}: Qwen2 sliding-window attention is not supported")
+    return supported[0]
+
+
+def _common_fields(get: _Getter, arch: str, generation: dict[str, Any]) -> dict[str, Any]:
+    raw = get.raw
     num_heads = get.req_int("num_attention_heads")
     hidden = get.req_int("hidden_size")
-    head_dim = int(raw.get("head_dim") or hidden // num_heads)
-    common: dict[str, Any] = dict(
+    return dict(
         architecture=arch,
         attention=ARCHITECTURES[arch],
         vocab_size=get.req_int("vocab_size"),
@@ -163,7 +174,7 @@ def parse_arch_config(
         num_layers=get.req_int("num_hidden_layers"),
         num_heads=num_heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=head_dim,
+        head_dim=int(raw.get("head_dim") or hidden // max(num_heads, 1)),
         intermediate_size=get.req_int("intermediate_size"),
         rms_norm_eps=float(get.opt("rms_norm_eps", 1e-6)),
         max_position_embeddings=get.req_int("max_position_embeddings"),
@@ -174,19 +185,11 @@ def parse_arch_config(
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_ids(generation.get("eos_token_id", raw.get("eos_token_id"))),
     )
-    if common["attention"] == "gqa":
-        rope = _parse_rope(raw, get, dim=head_dim, is_interleaved=False)
-        if num_heads % common["num_kv_heads"]:
-            raise CheckpointError(
-                f"{source}: num_attention_heads={num_heads} not a multiple of num_key_value_heads"
-            )
-        return ArchConfig(**common, rope=rope)
-    return _parse_mla(raw, get, common)
 
 
 def _parse_mla(raw: dict[str, Any], get: _Getter, common: dict[str, Any]) -> ArchConfig:
     rope_dim = get.req_int("qk_rope_head_dim")
-    rope = _parse_rope(raw, get, dim=rope_dim, is_interleaved=True)
+    rope = _parse_rope(raw, get, dim=rope_dim)
     topk_method = str(get.opt("topk_method", "greedy"))
     if topk_method not in TOPK_METHODS:
         raise UnsupportedModelError(f"{get.source}: topk_method={topk_method!r} is not supported")
@@ -214,7 +217,7 @@ def _parse_mla(raw: dict[str, Any], get: _Getter, common: dict[str, Any]) -> Arc
     )
 
 
-def _parse_rope(raw: dict[str, Any], get: _Getter, *, dim: int, is_interleaved: bool) -> RopeConfig:
+def _parse_rope(raw: dict[str, Any], get: _Getter, *, dim: int) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = str(params.get("rope_type", params.get("type", "default")))
@@ -237,7 +240,6 @@ def _parse_rope(raw: dict[str, Any], get: _Getter, *, dim: int, is_interleaved: 
         rope_type=rope_type,
         theta=theta,
         dim=dim,
-        is_interleaved=is_interleaved,
         factor=float(factor),
         original_max_position_embeddings=original_max,
         beta_fast=float(params.get("beta_fast") or 32.0),

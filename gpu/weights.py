@@ -8,7 +8,6 @@ DeepSeek layout, also what `save_pretrained` writes) or fused (`experts.gate_up_
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -177,8 +176,3 @@ def _open_all(model_dir: Path, stack: ExitStack) -> dict[str, Any]:
             if not by_name or by_name.get(name) == path:
                 handles[name] = handle
     return handles
-
-
-def iter_layer_prefixes(arch: ArchConfig) -> Iterator[str]:
-    for layer in range(arch.num_layers):
-        yield f"model.layers.{layer}."
