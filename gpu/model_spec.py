@@ -41,10 +41,12 @@ class ModelSpec:
         return self.kv_dim * dtype_bytes(dtype)
 
     def fingerprint(self, dtype: str, block_size: int) -> str:
-        """Stable text that changes whenever cached KV of this model would not be interchangeable."""
+        """Stable text that changes whenever cached KV of this model would not be interchangeable. Names the
+        checkpoint by its folder (an embedded model's folder carries its format version), so "tiny" and
+        the path of its folder agree."""
         dtype_bytes(dtype)
         return (
-            f"kvpath-kv-v1;model={self.name};arch={self.architecture};attn={self.attention};"
+            f"kvpath-kv-v1;model={Path(self.model_dir).name};arch={self.architecture};attn={self.attention};"
             f"layers={self.num_layers};kv_dim={self.kv_dim};hidden={self.hidden_size};heads={self.num_heads};"
             f"kv_heads={self.num_kv_heads};head_dim={self.head_dim};kv_lora_rank={self.kv_lora_rank};"
             f"rope_dim={self.qk_rope_head_dim};dtype={dtype};block_size={block_size}"

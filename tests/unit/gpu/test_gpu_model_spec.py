@@ -58,6 +58,8 @@ def test_fingerprint_is_stable_and_discriminating(model_cache: str) -> None:
     }
     assert len(prints) == 4
     assert "LlamaForCausalLM" in tiny.fingerprint("float32", 64)
+    by_path = load_model_spec(tiny.model_dir)  # the same checkpoint named by its folder
+    assert by_path.name != tiny.name and by_path.fingerprint("float32", 64) == tiny.fingerprint("float32", 64)
     with pytest.raises(ConfigError):
         tiny.fingerprint("int3", 64)
 
