@@ -38,7 +38,7 @@ def _big_chain(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
 async def test_bandwidth_budget_holds_and_load_reports_the_queue(cluster: StorageCluster) -> None:
     rate = 8e6  # bytes/s
     node = await cluster.start(layout=BIG, bandwidth_bytes_per_s=rate, buffer_bytes=32 << 20)
-    chains = [_big_chain(40, seed) for seed in range(4)]  # 160 blocks, 10.5 MB: ~1.3 s at the budget
+    chains = [_big_chain(80, seed) for seed in range(4)]  # 320 blocks, 21 MB: ~2.6 s at the budget
     for hashes, parents in chains:
         await write_blocks(node.client, hashes, parents)
     reports: list[LoadReport] = []
@@ -55,10 +55,10 @@ async def test_bandwidth_budget_holds_and_load_reports_the_queue(cluster: Storag
     )
     elapsed = time.monotonic() - started
     total = sum(lease.num_blocks for lease in leases) * BIG.full_block_bytes
-    assert total == 160 * BIG.full_block_bytes and elapsed >= 1.0
+    assert total == 320 * BIG.full_block_bytes and elapsed >= 1.0
     assert total / elapsed == pytest.approx(rate, rel=0.10)
     busy = [r for r in reports if r.read_queue_bytes > 0]
-    assert busy and max(r.read_queue_tokens for r in busy) >= 40 * BIG.block_size
+    assert busy and max(r.read_queue_tokens for r in busy) >= 80 * BIG.block_size
     assert all(r.role == "storage" and r.node == 0 for r in reports)
     for lease in leases:
         await lease.release()
