@@ -38,7 +38,7 @@ from shared.errors import (
     OverloadedError,
     ServiceUnavailableError,
 )
-from shared.protocol import Ack, encode
+from shared.protocol import Ack, check_token, encode
 from shared.protocol.kv import (
     BlockRemoved,
     BlockStored,
@@ -269,7 +269,10 @@ class StorageClient:
         *,
         staging_bytes: int = 64 * 1024 * 1024,
         lease_s: float = 0.0,
+        owner_id: str = "",
     ) -> None:
+        """`owner_id` (e.g. the engine's service id) names the staging segment, so a restarted engine
+        replaces the segment its crashed predecessor left in /dev/shm; empty: a random name."""
         if not fingerprint:
             raise ValueError("fingerprint must not be empty")
         self.bus = bus
@@ -277,6 +280,7 @@ class StorageClient:
         self.layout = layout
         self.fingerprint = fingerprint
         self.lease_s = lease_s
+        self.owner_id = owner_id
         self.staging_bytes = max(staging_bytes, layout.full_block_bytes)
         self._staging: ShmSegment | None = None
         self._staging_array: np.ndarray | None = None
@@ -289,8 +293,9 @@ class StorageClient:
     async def start(self) -> None:
         """Create the staging segment and map the node buffer (mapped later if storage is not up yet)."""
         if self._staging is None:
-            name = f"kvpath-{self.bus.subjects.namespace}-stage-{uuid.uuid4().hex[:12]}"
-            self._staging = ShmSegment.create(name, self.staging_bytes)
+            owner = check_token(self.owner_id or uuid.uuid4().hex[:12], "owner_id")
+            name = f"kvpath-{self.bus.subjects.namespace}-stage-{owner}"
+            self._staging = ShmSegment.create(name, self.staging_bytes, replace=bool(self.owner_id))
             self._staging_array = self._staging.array()
             self._staging_alloc = ExtentAllocator(self.staging_bytes)
         try:

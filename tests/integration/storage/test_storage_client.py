@@ -12,6 +12,7 @@ from shared.errors import (
     ServiceUnavailableError,
 )
 from shared.kvclient import IndexClient, KvEventPublisher, StorageClient
+from shared.shm import ShmSegment, segment_path
 from tests.integration.storage.storage_harness import (
     FP,
     LAYOUT,
@@ -94,3 +95,24 @@ async def test_read_after_storage_restart_remaps_the_new_buffer(cluster: Storage
     assert second.service.buffer_epoch != first.service.buffer_epoch
     async with await first.client.read("r2", hashes, deadline_s=5.0) as lease:  # the old client remaps
         assert np.array_equal(lease.views, data)
+
+
+async def test_named_staging_segment_replaces_a_crashed_owners(cluster: StorageCluster) -> None:
+    node = await cluster.start()
+    bus = await cluster.bus("engine-restarted")
+    stale = ShmSegment.create(f"kvpath-{cluster.namespace}-stage-engine-9", 4096)  # left by a crash
+    client = StorageClient(bus, 0, LAYOUT, FP, staging_bytes=1 << 20, owner_id="engine-9")
+    await client.start()
+    try:
+        assert (
+            client._staging is not None
+            and client._staging.name == stale.name
+            and client._staging.size == 1 << 20
+        )
+        hashes, parents = chain(2, seed=4)
+        await write_blocks(client, hashes, parents)
+        assert (await node.client.read("r", hashes, deadline_s=5.0)).num_blocks == 2
+    finally:
+        await client.close()
+        stale.close()
+    assert not segment_path(stale.name).exists()
