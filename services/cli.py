@@ -25,6 +25,7 @@ _BENCH_MODULES: tuple[str, ...] = (
     "shared.transport.bench",
     "services.storage.bench",
     "services.index.bench",
+    "services.router.bench",
 )
 # `kvpath serve <name>` runs `<module>.main(argv)`
 SERVICE_MODULES = {
