@@ -34,6 +34,7 @@ import psutil
 from services.router.bench_client import ServeBenchConfig, format_summary, run_serve_bench
 from shared.bus import Bus, Registry
 from shared.errors import ServiceUnavailableError
+from shared.logs import setup_logging
 from shared.natsserver import NatsServer
 from shared.protocol import ServiceInfo
 
@@ -131,6 +132,7 @@ class RouterBenchOptions:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    setup_logging("bench-router", level="ERROR")  # results go to stdout; service logs stay in their files
     opts = RouterBenchOptions(
         streams=args.streams,
         tokens_per_stream=args.tokens_per_stream,
