@@ -65,9 +65,12 @@ class KVLayer:
         return self._gather(span.block_table).flatten(0, 1)[: span.context_len]
 
     def padded_contexts(self, batch: ForwardBatch) -> torch.Tensor:
-        """[B, max_blocks * block_size, kv_dim] for decode (padding rows masked by batch.key_bias)."""
-        assert batch.block_tables is not None
-        return self._gather(batch.block_tables).view(batch.block_tables.shape[0], -1, self.flat.shape[1])
+        """[B, longest context, kv_dim] for decode (shorter contexts' padding masked by batch.key_bias),
+        gathered token by token into the batch's scratch buffer (reused by every layer)."""
+        assert batch.context_rows is not None and batch.context_out is not None and batch.key_bias is not None
+        rows = batch.context_rows + self.layer * self.block_size
+        torch.index_select(self.flat, 0, rows, out=batch.context_out)
+        return batch.context_out.view(batch.key_bias.shape[0], batch.key_bias.shape[-1], -1)
 
 
 class GqaAttention:
