@@ -33,7 +33,7 @@ class EngineConfig(BaseConfig):
     pe_staging_bytes: int = doc(256 * 1024 * 1024, "prefill role: staging of KV sent to DE buffers")
     transfer_timeout_s: float = doc(30.0, "deadline of one KV transfer or notice between engines")
     compute_quota_s: float = doc(
-        0.0, "prefill role: predicted attention time per batch (0: token budget only)"
+        0.3, "prefill role: predicted attention-layer time per batch, DualPath's quota (0: token budget)"
     )
     load_kv: bool = doc(True, "load stored prefix blocks instead of recomputing them")
 

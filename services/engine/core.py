@@ -17,8 +17,10 @@ from typing import Any
 
 from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq, SamplingOptions
 from services.engine import metrics
+from services.engine.batching import AttentionShape, BatchingLimits
 from services.engine.config import EngineConfig
 from services.engine.connector import KvConnector, NullConnector
+from services.engine.quota import QuotaPlanner
 from services.engine.scheduler import EngineScheduler, StepPlan, blocks_for
 from services.engine.sequence import SeqStatus, Sequence
 from services.engine.stopping import check_stop
@@ -47,11 +49,13 @@ class EngineCore:
         self.engine_id = engine_id
         self.publish = publish
         self.connector = connector or NullConnector()
+        self.quota = _quota_planner(config, runner)
         self.scheduler = EngineScheduler(
             runner.kv,
             block_size=runner.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            prefill_planner=self.quota.plan if self.quota is not None else None,
         )
         self.seqs: dict[str, Sequence] = {}
         self.preparing: dict[str, asyncio.Task[None]] = {}
@@ -232,6 +236,10 @@ class EngineCore:
             sampled.update({p.seq_id: t for p, t in zip(pseqs, out, strict=True) if t is not None})
             elapsed = time.perf_counter() - started
             num_tokens = sum(c.num_tokens for c in computed)
+            if self.quota is not None:
+                pairs = [(c.start, c.num_tokens) for c in computed]
+                self.quota.observe(pairs, elapsed / self.runner.spec.num_layers)
+                metrics.PREFILL_PREDICTED.observe(self.quota.last_predicted_s)
             metrics.PREFILL_STEP.observe(elapsed)
             metrics.PREFILL_TOKENS.inc(num_tokens)
             self.prefill_rate.add(num_tokens, elapsed)
@@ -398,6 +406,18 @@ class EngineCore:
             "total_kv_blocks": self.runner.kv.num_blocks,
             "rates": {"prefill_tokens_per_s": self.prefill_rate.value},
         }
+
+
+def _quota_planner(config: EngineConfig, runner: ModelRunner) -> QuotaPlanner | None:
+    """The compute-quota batch planner of a prefill engine (None: a plain token budget)."""
+    if config.role != "prefill" or config.compute_quota_s <= 0:
+        return None
+    arch = runner.arch
+    head_dim = arch.qk_nope_head_dim + arch.qk_rope_head_dim if arch.attention == "mla" else arch.head_dim
+    limits = BatchingLimits(
+        compute_quota_s=config.compute_quota_s, max_num_batched_tokens=config.max_num_batched_tokens
+    )
+    return QuotaPlanner(AttentionShape(num_q_heads=arch.num_heads, head_dim=head_dim), limits)
 
 
 class RateMeter:

@@ -58,7 +58,15 @@ class DecodeConnector(StorageConnector):
         area_bytes: int,
         transfer_timeout_s: float,
     ) -> None:
-        super().__init__(bus, runner, node=node, block_size=block_size, load_kv=False, persist_kv=persist_kv)
+        super().__init__(
+            bus,
+            runner,
+            node=node,
+            block_size=block_size,
+            load_kv=False,
+            persist_kv=persist_kv,
+            engine_id=engine_id,
+        )
         self.receiver = receiver
         self.peers = peers
         self.timeout_s = transfer_timeout_s

@@ -41,3 +41,8 @@ PREFILL_LAYERS = Histogram(
     buckets=_STEP_BUCKETS,
 )
 TRANSFER_BYTES = Counter("kvpath_engine_kv_transfer_bytes_total", "KV bytes sent to other engines", ["path"])
+PREFILL_PREDICTED = Histogram(
+    "kvpath_engine_prefill_predicted_attention_seconds",
+    "Predicted attention-layer time of each prefill batch (compute quota)",
+    buckets=_STEP_BUCKETS,
+)

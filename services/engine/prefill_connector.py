@@ -71,7 +71,7 @@ class PrefillConnector(KvConnector):
         self.num_layers = spec.num_layers
         self.layout = BlockLayout(spec.num_layers, block_size, self.kv.bytes_per_token_layer)
         fingerprint = spec.fingerprint(runner.dtype, block_size)  # type: ignore[attr-defined]
-        self.storage = StorageClient(bus, node, self.layout, fingerprint)
+        self.storage = StorageClient(bus, node, self.layout, fingerprint, owner_id=engine_id)
         self.receiver = receiver
         self.area = ReceiveArea(receiver, "pe_recv", area_bytes, self.layout, engine_id)
         self.peers = peers

@@ -10,11 +10,16 @@ Stored prefix KV (hits) is loaded during a sequence's first chunk: those tokens 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.engine.sequence import SeqStatus, Sequence
+
+# Decides the next prefill batch: (request id, cached tokens, remaining tokens) in FIFO order in,
+# (request id, tokens to compute now) out. None: a plain token budget (max_num_batched_tokens).
+PrefillPlanner = Callable[[list[tuple[str, int, int]]], list[tuple[str, int]]]
 
 
 class BlockAllocator(Protocol):
@@ -52,8 +57,15 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 class EngineScheduler:
     def __init__(
-        self, allocator: BlockAllocator, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        allocator: BlockAllocator,
+        *,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefill_planner: PrefillPlanner | None = None,
     ) -> None:
+        self.prefill_planner = prefill_planner
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -119,6 +131,9 @@ class EngineScheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._schedule_decodes(plan)
+        if self.prefill_planner is not None:
+            self._schedule_planned_prefills(plan, self.prefill_planner)
+            return plan
         budget = self.max_num_batched_tokens
         for seq in [s for s in self.running if s.is_prefilling]:
             budget -= self._add_chunk(plan, seq, budget) or 0
@@ -136,6 +151,22 @@ class EngineScheduler:
             self.running.append(seq)
             budget -= used
         return plan
+
+    def _schedule_planned_prefills(self, plan: StepPlan, planner: PrefillPlanner) -> None:
+        """Prefill batch chosen by the planner (a compute quota): running chunks first, then the queue."""
+        room = max(0, self.max_num_seqs - len(self.running))
+        candidates = [s for s in self.running if s.is_prefilling]
+        candidates += list(self.waiting)[:room] if not plan.preempted else []
+        work = [(s.request_id, _start(s), s.prefill_target - _start(s)) for s in candidates]
+        by_id = {s.request_id: s for s in candidates}
+        for request_id, num_tokens in planner([w for w in work if w[2] > 0]):
+            seq = by_id[request_id]
+            if self._add_chunk(plan, seq, num_tokens) is None:
+                return  # the cache is short: the rest waits, FIFO kept
+            if seq.status is SeqStatus.WAITING:
+                self.waiting.remove(seq)
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
 
     def _schedule_decodes(self, plan: StepPlan) -> None:
         for seq in list(self.running):
@@ -157,7 +188,7 @@ class EngineScheduler:
         load-only chunk: blocks and an import, no compute, no budget.
         """
         load = seq.num_hit_tokens if seq.num_computed_tokens == 0 else 0
-        start = max(seq.num_computed_tokens, load)
+        start = _start(seq)
         num = min(budget, seq.prefill_target - start)
         if num <= 0:
             if load <= 0 or load < seq.prefill_target or not self._grow(seq, load + 1):
@@ -176,3 +207,9 @@ class EngineScheduler:
             PrefillChunk(seq=seq, start=start, num_tokens=num, load_tokens=load, sample=sample)
         )
         return num
+
+
+def _start(seq: Sequence) -> int:
+    """The first token the sequence's next chunk computes (loaded prefix tokens are not computed)."""
+    load = seq.num_hit_tokens if seq.num_computed_tokens == 0 else 0
+    return max(seq.num_computed_tokens, load)

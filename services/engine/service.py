@@ -83,6 +83,7 @@ class EngineService(Service):
             block_size=cfg.block_size,
             load_kv=cfg.load_kv,
             persist_kv=cfg.persist_kv,
+            engine_id=self.service_id,
         )
 
     async def on_start(self) -> None:

@@ -58,7 +58,15 @@ class _LoadHook(LayerHook):
 
 class StorageConnector(KvConnector):
     def __init__(
-        self, bus: Bus, runner: object, *, node: int, block_size: int, load_kv: bool, persist_kv: bool
+        self,
+        bus: Bus,
+        runner: object,
+        *,
+        node: int,
+        block_size: int,
+        load_kv: bool,
+        persist_kv: bool,
+        engine_id: str = "",
     ) -> None:
         spec = runner.spec  # type: ignore[attr-defined]
         self.kv = runner.kv  # type: ignore[attr-defined]
@@ -66,7 +74,7 @@ class StorageConnector(KvConnector):
         self.fingerprint = spec.fingerprint(runner.dtype, block_size)  # type: ignore[attr-defined]
         self.seed = fingerprint_seed(self.fingerprint)
         layout = BlockLayout(spec.num_layers, block_size, self.kv.bytes_per_token_layer)
-        self.client = StorageClient(bus, node, layout, self.fingerprint)
+        self.client = StorageClient(bus, node, layout, self.fingerprint, owner_id=engine_id)
         self.index = IndexClient(bus)
         self.load_kv = load_kv
         self.persist_kv = persist_kv

@@ -173,7 +173,7 @@ async def run_serve_bench(cfg: ServeBenchConfig) -> dict[str, Any]:
         started_unix, started_s = time.time(), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, cfg.num_requests))))
         duration_s = time.perf_counter() - started_s
-    out = summarize(records, duration_s)
+    out = summarize(records, duration_s, cfg.concurrency)
     out.update(
         url=cfg.url,
         model=model,
@@ -203,12 +203,38 @@ def itl_samples(record: RequestRecord) -> np.ndarray:
     return np.repeat(gaps / counts, counts)
 
 
-def summarize(records: list[RequestRecord], duration_s: float) -> dict[str, Any]:
+def steady_window(records: list[RequestRecord], concurrency: int) -> tuple[float, float, int]:
+    """(start, end, tokens) of the span in which every stream slot was streaming.
+
+    It starts once each of the first `concurrency` requests has its first token and ends when the first of
+    the last `concurrency` requests ends; (0, 0, 0) when they do not overlap (or a request failed).
+    """
+    if not records or any(r.error or not r.chunk_times_s for r in records):
+        return 0.0, 0.0, 0
+    by_start = sorted(records, key=lambda r: r.started_s)
+    c = min(concurrency, len(records))
+    start = max(r.chunk_times_s[0] for r in by_start[:c])
+    end = min(r.chunk_times_s[-1] for r in by_start[-c:])
+    if end <= start:
+        return 0.0, 0.0, 0
+    tokens = 0
+    for r in records:
+        times = np.asarray(r.chunk_times_s)
+        counts = np.asarray(r.chunk_tokens)
+        tokens += int(counts[(times > start) & (times <= end)].sum())
+    return start, end, tokens
+
+
+def summarize(records: list[RequestRecord], duration_s: float, concurrency: int = 1) -> dict[str, Any]:
+    """Totals and percentiles; times in the output are relative to the first request's start."""
     ok = [r for r in records if not r.error]
     failed = [r for r in records if r.error]
     num_tokens = sum(r.num_tokens for r in ok)
     num_chunks = sum(len(r.chunk_tokens) for r in ok)
     itl = [itl_samples(r) for r in ok]
+    origin = min((r.started_s for r in records), default=0.0)
+    steady_start, steady_end, steady_tokens = steady_window(records, concurrency)
+    steady_s = steady_end - steady_start
     return {
         "num_requests": len(records),
         "num_ok": len(ok),
@@ -222,6 +248,8 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict[str, Any]
         "ttft_ms": _pcts([r.chunk_times_s[0] - r.started_s for r in ok if r.chunk_times_s], 1e3),
         "itl_ms": _pcts(np.concatenate(itl) if itl else [], 1e3),
         "e2e_s": _pcts([r.finished_s - r.started_s for r in ok], 1.0),
+        "steady_window_s": [steady_start - origin, steady_end - origin] if steady_s > 0 else [],
+        "steady_tokens_per_s": steady_tokens / steady_s if steady_s > 0 else 0.0,
     }
 
 
@@ -233,7 +261,8 @@ def format_summary(out: dict[str, Any]) -> str:
         f"  requests ok / failed : {out['num_ok']} / {out['num_failed']}"
         + (f"  (first error: {out['first_error']})" if out["first_error"] else ""),
         f"  duration             : {out['duration_s']:.2f} s",
-        f"  output tokens/s      : {out['output_tokens_per_s']:,.1f}  ({out['output_tokens']:,} tokens)",
+        f"  output tokens/s      : {out['output_tokens_per_s']:,.1f}  ({out['output_tokens']:,} tokens; "
+        f"{out['steady_tokens_per_s']:,.1f} while every stream was busy)",
         f"  requests/s           : {out['requests_per_s']:.2f}",
         f"  TTFT p50 / p99       : {ttft['p50']:.1f} / {ttft['p99']:.1f} ms",
         f"  ITL  p50 / p99       : {itl['p50']:.2f} / {itl['p99']:.2f} ms (per token)",

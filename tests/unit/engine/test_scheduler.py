@@ -140,3 +140,46 @@ def test_finish_frees_blocks_everywhere() -> None:
     c = seq("c", 3)  # still preparing: finishing it must not touch the queues
     s.finish(c, "abort")
     assert c.status is SeqStatus.FINISHED
+
+
+def test_planner_decides_the_prefill_batch_and_keeps_fifo() -> None:
+    calls = []
+
+    def planner(work: list[tuple[str, int, int]]) -> list[tuple[str, int]]:
+        calls.append(work)
+        return [(work[0][0], work[0][2]), (work[1][0], 3)]  # first whole, second chunked
+
+    s = EngineScheduler(
+        FreeList(16), block_size=4, max_num_seqs=8, max_num_batched_tokens=64, prefill_planner=planner
+    )
+    a, b, c = seq("a", 6), seq("b", 9), seq("c", 5)
+    b.num_hit_tokens = 4  # b's first four tokens are loaded, not computed
+    for x in (a, b, c):
+        s.add(x)
+    plan = s.schedule()
+    assert calls == [[("a", 0, 6), ("b", 4, 5), ("c", 0, 5)]]
+    assert [(p.seq.request_id, p.start, p.num_tokens, p.load_tokens, p.sample) for p in plan.prefill] == [
+        ("a", 0, 6, 0, True),
+        ("b", 4, 3, 4, False),
+    ]
+    assert list(s.waiting) == [c] and s.running == [a, b]
+
+
+def test_quota_planner_learns_the_profile_and_chunks_to_the_quota() -> None:
+    from services.engine.batching import AttentionShape, BatchingLimits, attention_flops
+    from services.engine.quota import REFIT_EVERY, QuotaPlanner
+
+    shape = AttentionShape(num_q_heads=4, head_dim=16)
+    quota = QuotaPlanner(shape, BatchingLimits(compute_quota_s=0.01, max_num_batched_tokens=4096))
+    s_per_flop = 1e-9  # "measured": 1 GFLOP/s, no fixed cost
+    for n in range(1, REFIT_EVERY + 1):
+        pairs = [(0, 100 * n)]
+        quota.observe(pairs, attention_flops(0, 100 * n, shape) * s_per_flop)
+    assert abs(quota.profile.s_per_flop - s_per_flop) / s_per_flop < 1e-6
+    [(_, chunk)] = quota.plan([("r", 0, 4000)])
+    # the largest chunk whose predicted time fits 10 ms, by the fitted model
+    assert (
+        attention_flops(0, chunk, shape) * s_per_flop
+        <= 0.01
+        < attention_flops(0, chunk + 1, shape) * s_per_flop
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.batching import (
+from services.engine.batching import (
     PRIOR_PROFILE,
     AttentionProfile,
     AttentionSample,
