@@ -10,8 +10,10 @@ import asyncio
 import json
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
+from shared.config import DEFAULT_BLOCK_SIZE
 from shared.errors import InvalidRequestError, KvpathError
 
 
@@ -53,15 +55,19 @@ def _add_runtime_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _generate_command(args: argparse.Namespace) -> int:
+    def stream(text: str) -> None:
+        if not args.json:
+            print(text, end="", flush=True)
+
     try:
-        token_ids, text = asyncio.run(_generate(args))
+        token_ids, text = asyncio.run(_generate(args, stream))
     except KvpathError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"token_ids": token_ids, "text": text}, ensure_ascii=False))
     else:
-        print(text)
+        print()
     return 0
 
 
@@ -76,42 +82,58 @@ def _sampling(args: argparse.Namespace) -> Any:
     )
 
 
-def _prompt_ids(args: argparse.Namespace, runner: Any) -> list[int]:
+def _prompt_ids(args: argparse.Namespace, tokenizer: Any) -> list[int]:
     if args.prompt_ids is not None:
         try:
-            return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError:
             raise InvalidRequestError(f"--prompt-ids must be integers: {args.prompt_ids!r}") from None
-    if args.chat:
-        return list(runner.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]))
-    return list(runner.tokenizer.encode(args.prompt))
+    elif args.chat:
+        ids = list(tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]))
+    else:
+        ids = list(tokenizer.encode(args.prompt))
+    if not ids:
+        raise InvalidRequestError("empty prompt")
+    return ids
 
 
-async def _generate(args: argparse.Namespace) -> tuple[list[int], str]:
+async def _generate(args: argparse.Namespace, stream: Callable[[str], None]) -> tuple[list[int], str]:
+    """Greedy (or sampled) generation of one prompt; the caller's part of the engine: stop on EOS."""
+    from gpu.model_spec import load_model_spec, resolve_model
     from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq
+    from gpu.tokenizer import load_tokenizer
 
+    spec = load_model_spec(args.model, args.cache_dir)
+    prompt = _prompt_ids(args, load_tokenizer(resolve_model(args.model, args.cache_dir)))
+    max_tokens = min(args.max_tokens, spec.max_model_len - len(prompt))
+    if max_tokens <= 0:
+        raise InvalidRequestError(f"prompt of {len(prompt)} tokens leaves no room in the context")
+    sampling = _sampling(args)
+    sampling.check()
+    num_blocks = math.ceil((len(prompt) + max_tokens) / DEFAULT_BLOCK_SIZE)
     runner = ModelRunner.load(
-        args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, num_threads=args.threads
+        args.model,
+        block_size=DEFAULT_BLOCK_SIZE,
+        device=args.device,
+        dtype=args.dtype,
+        cache_dir=args.cache_dir,
+        num_threads=args.threads,
+        num_kv_blocks=num_blocks,
     )
     try:
-        prompt = _prompt_ids(args, runner)
-        if not prompt:
-            raise InvalidRequestError("empty prompt")
-        max_tokens = min(args.max_tokens, runner.spec.max_model_len - len(prompt))
-        if max_tokens <= 0:
-            raise InvalidRequestError(f"prompt of {len(prompt)} tokens leaves no room in the context")
-        sampling = _sampling(args)
-        sampling.check()
-        blocks = runner.kv.allocate(math.ceil((len(prompt) + max_tokens) / runner.block_size))
+        blocks = runner.kv.allocate(num_blocks)
         stop_ids = () if args.ignore_eos else runner.tokenizer.eos_token_ids
+        decoder = runner.tokenizer.incremental_decoder()
         generated: list[int] = []
         token = (await runner.prefill([PrefillSeq("generate", blocks, 0, prompt, sampling=sampling)]))[0]
         while token is not None:
             generated.append(token)
+            stream(decoder.push([token]))
             if token in stop_ids or len(generated) >= max_tokens:
                 break
             step = DecodeSeq("generate", blocks, len(prompt) + len(generated) - 1, token, sampling=sampling)
             token = (await runner.decode([step]))[0]
+        stream(decoder.flush())
         return generated, runner.tokenizer.decode(generated)
     finally:
         runner.close()
