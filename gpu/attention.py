@@ -2,8 +2,9 @@
 
 Every layer first writes the new tokens' cache rows, then attends over the context read back from the cache,
 so KV supplied from outside (import_layer before the layer runs) and KV computed here are treated alike.
-Decode is one batched SDPA over block tables padded to the longest context (masked), with no per-sequence
-Python loop; prefill attends per sequence (different cached lengths, causal over the new tokens).
+Decode gathers every sequence's context rows (padded to the longest context, padding masked) and runs one
+batched attention, with no per-sequence Python loop; prefill attends per sequence (different cached
+lengths, causal over the new tokens).
 
 MLA cache row = [normalized latent (kv_lora_rank) ; rope-applied key (qk_rope_head_dim)]. Decode and short
 prefill chunks use the absorbed form (query folded through W_UK, attention against the rows themselves as one
@@ -43,8 +44,8 @@ def _causal_mask(span: SeqSpan, device: torch.device) -> torch.Tensor:
 
 
 class KVLayer:
-    """Layer `layer` of the paged cache as the attention code uses it. Reads go through index_select on the
-    [num_blocks * num_layers, block_size, kv_dim] view (one memcpy per Layer Block)."""
+    """Layer `layer` of the paged cache as the attention code uses it: writes scatter token rows with
+    index_copy_; reads gather with index_select (whole Layer Blocks for prefill, token rows for decode)."""
 
     __slots__ = ("block_size", "by_layer_block", "flat", "layer", "num_layers")
 
@@ -143,9 +144,9 @@ class MlaAttention:
         self.in_proj = Linear.fused(weights, [first, prefix + "kv_a_proj_with_mqa"])
         self.q_split = arch.q_lora_rank or self.num_heads * (self.nope_dim + self.rope_dim)
         if self.has_q_lora:
-            self.q_a_norm = weights[prefix + "q_a_layernorm.weight"]
+            self.q_a_norm = weights.pop(prefix + "q_a_layernorm.weight")
             self.q_b_proj = Linear.fused(weights, [prefix + "q_b_proj"])
-        self.kv_a_norm = weights[prefix + "kv_a_layernorm.weight"]
+        self.kv_a_norm = weights.pop(prefix + "kv_a_layernorm.weight")
         kv_b = weights.pop(prefix + "kv_b_proj.weight")
         per_head = kv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
         self.kv_b_proj = Linear(kv_b, None)  # [H*(nope+v), rank] for the expanded form

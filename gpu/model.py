@@ -51,6 +51,7 @@ class Transformer:
         self.lm_head = Linear(self.embedding if lm_head is None else lm_head, None)
         self.final_norm = weights.pop("model.norm.weight")
         self.layers = [DecoderLayer(arch, weights, layer) for layer in range(arch.num_layers)]
+        assert not weights, f"tensors loaded but not used: {sorted(weights)[:5]}"
         initial_len = min(arch.max_position_embeddings, 4096)
         self.rotary = RotaryTable(arch.rope, device=device, initial_len=initial_len)
         self._scratch = torch.empty(0, dtype=dtype, device=device)  # decode context gathers, grown on demand
