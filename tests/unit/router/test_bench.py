@@ -15,7 +15,6 @@ import aiohttp
 import numpy as np
 import pytest
 
-from services.router.bench import BenchStack, RouterBenchOptions
 from services.router.bench_client import (
     RequestRecord,
     ServeBenchConfig,
@@ -26,6 +25,7 @@ from services.router.bench_client import (
     summarize,
 )
 from services.router.bench_engine import DriverStream, StepEncoder
+from services.router.bench_stack import BenchStack, RouterBenchOptions
 from shared.protocol import TokenBatch, decode
 
 # ------------------------------------------------------------------------------------------ pure parts
