@@ -241,7 +241,8 @@ class RouterCore:
         last_token_at = 0.0
         while True:
             deltas = await self._next_deltas(stream, deadline)
-            num_tokens = sum(len(d.token_ids) for d in deltas)
+            token_ids = deltas[0].token_ids if len(deltas) == 1 else [t for d in deltas for t in d.token_ids]
+            num_tokens = len(token_ids)
             now = time.monotonic()
             if num_tokens:
                 if usage.completion_tokens == 0:
@@ -262,7 +263,6 @@ class RouterCore:
                 raise error_from_code(
                     last.error_code or "engine_failed", last.error_message or "engine error"
                 )
-            token_ids = [t for d in deltas for t in d.token_ids]
             text, hit_stop = stops.feed(decoder.push(token_ids))
             if hit_stop:
                 yield Piece(text, token_ids, "stop")
@@ -278,15 +278,15 @@ class RouterCore:
         """Wait for the next delta, then take every delta already queued (coalescing a slow reader)."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise DeadlineExceededError(
-                f"request exceeded its {self.config.request_deadline_s:.0f}s deadline"
-            )
-        try:
-            item = await asyncio.wait_for(stream.queue.get(), remaining)
-        except TimeoutError:
-            raise DeadlineExceededError(
-                f"request exceeded its {self.config.request_deadline_s:.0f}s deadline"
-            ) from None
+            raise self._deadline_error()
+        if stream.queue.empty():
+            try:
+                async with asyncio.timeout(remaining):  # a timer, not a task per wait (wait_for)
+                    item = await stream.queue.get()
+            except TimeoutError:
+                raise self._deadline_error() from None
+        else:
+            item = stream.queue.get_nowait()
         items = [item]
         while not stream.queue.empty() and not isinstance(items[-1], KvpathError):
             if isinstance(items[-1], TokenDelta) and items[-1].finish_reason is not None:
@@ -301,6 +301,9 @@ class RouterCore:
                 raise it
             deltas.append(it)
         return deltas
+
+    def _deadline_error(self) -> DeadlineExceededError:
+        return DeadlineExceededError(f"request exceeded its {self.config.request_deadline_s:.0f}s deadline")
 
 
 def _observe_stages(timings: dict[str, float]) -> None:
