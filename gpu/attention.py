@@ -45,7 +45,7 @@ def _causal_mask(span: SeqSpan, device: torch.device) -> torch.Tensor:
 
 class KVLayer:
     """Layer `layer` of the paged cache as the attention code uses it: writes scatter token rows with
-    index_copy_; reads gather with index_select (whole Layer Blocks for prefill, token rows for decode)."""
+    index_copy_; reads gather whole Layer Blocks with index_select."""
 
     __slots__ = ("block_size", "by_layer_block", "flat", "layer", "num_layers")
 
@@ -67,11 +67,13 @@ class KVLayer:
 
     def padded_contexts(self, batch: ForwardBatch) -> torch.Tensor:
         """[B, longest context, kv_dim] for decode (shorter contexts' padding masked by batch.key_bias),
-        gathered token by token into the batch's scratch buffer (reused by every layer)."""
-        assert batch.context_rows is not None and batch.context_out is not None and batch.key_bias is not None
-        rows = batch.context_rows + self.layer * self.block_size
-        torch.index_select(self.flat, 0, rows, out=batch.context_out)
-        return batch.context_out.view(batch.key_bias.shape[0], batch.key_bias.shape[-1], -1)
+        gathered Layer Block by Layer Block into the batch's scratch buffer (reused by every layer)."""
+        assert (
+            batch.context_blocks is not None and batch.context_out is not None and batch.key_bias is not None
+        )
+        torch.index_select(self.by_layer_block, 0, batch.context_blocks + self.layer, out=batch.context_out)
+        rows = batch.context_out.view(batch.key_bias.shape[0], -1, self.flat.shape[1])
+        return rows[:, : batch.key_bias.shape[-1]]
 
 
 class GqaAttention:

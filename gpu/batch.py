@@ -39,8 +39,10 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # rows whose logits are wanted
     is_decode: bool
     spans: list[SeqSpan] = field(default_factory=list)  # prefill
-    context_rows: torch.Tensor | None = None  # decode: [B * longest context] layer-0 cache rows (padded)
-    context_out: torch.Tensor | None = None  # decode: scratch [B * longest context, kv_dim] for the gathers
+    context_blocks: torch.Tensor | None = None  # decode: [B * max_blocks] layer-0 Layer Block indices
+    context_out: torch.Tensor | None = (
+        None  # decode: scratch [B * max_blocks, block_size, kv_dim] for gathers
+    )
     key_bias: torch.Tensor | None = None  # decode: [B, 1, 1, longest context], 0 or -inf (padding)
 
     @property
@@ -138,8 +140,6 @@ def build_decode_batch(
     rows = (blocks * geom.num_layers) * geom.block_size + positions % geom.block_size
     key_positions = np.arange(int(positions.max()) + 1)  # attention stops at the longest context
     bias = np.where(key_positions[None, :] <= positions[:, None], 0.0, -np.inf).astype(np.float32)
-    context_blocks = tables[:, key_positions // geom.block_size]
-    context_rows = (context_blocks * geom.num_layers) * geom.block_size + key_positions % geom.block_size
     batch = _finish(
         geom,
         rotary,
@@ -151,7 +151,7 @@ def build_decode_batch(
         spans=[],
     )
     batch.is_decode = True
-    batch.context_rows = torch.from_numpy(context_rows.reshape(-1)).to(device)
+    batch.context_blocks = torch.from_numpy((tables * geom.num_layers).reshape(-1)).to(device)
     batch.key_bias = torch.from_numpy(bias[:, None, None, :]).to(device=device, dtype=dtype)
     return batch
 

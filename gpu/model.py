@@ -56,15 +56,16 @@ class Transformer:
         self.rotary = RotaryTable(arch.rope, device=device, initial_len=initial_len)
         self._scratch = torch.empty(0, dtype=dtype, device=device)  # decode context gathers, grown on demand
 
-    def _attach_scratch(self, batch: ForwardBatch, kv_dim: int) -> None:
+    def _attach_scratch(self, batch: ForwardBatch, kv_tensor: torch.Tensor) -> None:
         """Decode gathers reuse one buffer (no multi-MB allocation per layer and step). Single worker
         thread: one forward at a time uses it."""
-        if batch.context_rows is None or batch.context_out is not None:
+        if batch.context_blocks is None or batch.context_out is not None:
             return
-        needed = batch.context_rows.shape[0] * kv_dim
+        block_size, kv_dim = kv_tensor.shape[2], kv_tensor.shape[3]
+        needed = batch.context_blocks.shape[0] * block_size * kv_dim
         if self._scratch.numel() < needed:
             self._scratch = torch.empty(-(-needed // 65536) * 65536, dtype=self.dtype, device=self.device)
-        batch.context_out = self._scratch[:needed].view(-1, kv_dim)
+        batch.context_out = self._scratch[:needed].view(-1, block_size, kv_dim)
 
     @classmethod
     def load(cls, model_dir: str | Path, arch: ArchConfig, *, device: str, dtype: torch.dtype) -> Transformer:
@@ -78,7 +79,7 @@ class Transformer:
         self, index: int, hidden: torch.Tensor, batch: ForwardBatch, kv_tensor: torch.Tensor
     ) -> torch.Tensor:
         """Run layer `index`: writes the new tokens' KV of that layer into the cache; the new hidden."""
-        self._attach_scratch(batch, kv_tensor.shape[-1])
+        self._attach_scratch(batch, kv_tensor)
         return self.layers[index](hidden, batch, KVLayer(kv_tensor, index))
 
     def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
