@@ -26,6 +26,7 @@ _BENCH_MODULES: tuple[str, ...] = (
     "services.storage.bench",
     "services.index.bench",
     "services.router.bench",
+    "services.bench_dualpath",
 )
 # `kvpath serve <name>` runs `<module>.main(argv)`
 SERVICE_MODULES = {

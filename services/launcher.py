@@ -157,7 +157,7 @@ class LocalCluster:
                 "services": self.service_urls,
                 "tmp_dir": self.tmp_dir,
             }
-            await asyncio.to_thread(Path(ready_file).write_text, json.dumps(info))
+            await asyncio.to_thread(_write_atomically, Path(ready_file), json.dumps(info))
         code = await self._watch()
         self._shutdown()
         return code
@@ -289,3 +289,9 @@ def _tail(path: str, lines: int = 30) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -56,8 +56,9 @@ class KvConnector:
         """The sequence finished, failed or was preempted: drop what is held for it (read leases)."""
 
     def finish(self, seq: Sequence) -> Awaitable[None] | None:
-        """The sequence finished. Return an awaitable if its last delta must wait for it (e.g. until its
-        blocks are durable), else None. Either way the connector forgets the sequence afterwards."""
+        """The sequence finished (`seq.finish_reason` is set; its blocks are still allocated and may be
+        copied out synchronously here). Return an awaitable if its last delta must wait for it (e.g. until
+        its blocks are durable), else None. Either way the connector forgets the sequence afterwards."""
         return None
 
     def stats(self) -> dict[str, float]:

@@ -316,6 +316,12 @@ class EngineCore:
         return out
 
     def _finish(self, seq: Sequence, reason: str) -> Outgoing:
+        seq.finish_reason = seq.finish_reason or reason
+        # the connector sees the sequence before its blocks are freed (it may copy them out)
+        wait = self.connector.finish(seq)
+        if wait is not None:
+            self._final_waits[seq.request_id] = wait
+        self.connector.release(seq)
         self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
         if not self.seqs:
@@ -323,10 +329,6 @@ class EngineCore:
         prep = self.preparing.pop(seq.request_id, None)
         if prep is not None:
             prep.cancel()
-        self.connector.release(seq)
-        wait = self.connector.finish(seq)
-        if wait is not None:
-            self._final_waits[seq.request_id] = wait
         self.runner.release(seq.request_id)
         metrics.REQUESTS.labels(reason).inc()
         return self._delta(seq)

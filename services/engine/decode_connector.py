@@ -21,7 +21,7 @@ from services.engine import metrics
 from services.engine.disagg import DONE_LAYER, Extent, PeerPool, ReceiveArea, decode_meta, encode_meta, tag
 from services.engine.scheduler import PrefillChunk
 from services.engine.sequence import Sequence
-from services.engine.storage_connector import StorageConnector, _SeqKv
+from services.engine.storage_connector import StorageConnector
 from shared.bus import Bus
 from shared.errors import InvalidRequestError, KvpathError
 from shared.kvclient import ReadLease
@@ -90,7 +90,9 @@ class DecodeConnector(StorageConnector):
 
     async def _read(self, seq: Sequence, hits: int, remaining_s: float) -> ReadLease | None:
         try:
-            return await self.client.read(seq.request_id, self._chain(seq, hits), deadline_s=remaining_s)
+            return await self.client.read(
+                seq.request_id, self.persister.chain(seq, hits), deadline_s=remaining_s
+            )
         except KvpathError as exc:
             metrics.KV_LOAD_MISSES.labels(exc.code).inc(hits)
             log.warning("DE read failed request_id=%s: %s", seq.request_id, exc.message)
@@ -164,10 +166,7 @@ class DecodeConnector(StorageConnector):
         seq.output_token_ids = [int(meta["first_token"])]
         seq.next_delta_seq = 1  # delta 0 (the first token) came from the PE
         seq.num_hit_tokens = seq.num_prompt_tokens
-        chain = self._chain(seq, st.num_loaded_blocks)
-        self.state[seq.request_id] = _SeqKv(
-            num_persisted_blocks=st.num_loaded_blocks, last_hash=chain[-1] if chain else self.seed
-        )
+        self.persister.track(seq, st.num_loaded_blocks)
 
     # ------------------------------------------------------------------------------------------ import
 

@@ -24,12 +24,13 @@ from gpu.runner import LayerHook, PrefillSeq
 from services.engine import metrics
 from services.engine.connector import KvConnector
 from services.engine.disagg import DONE_LAYER, Extent, PeerPool, ReceiveArea, decode_meta, encode_meta, tag
+from services.engine.persist import BlockPersister
 from services.engine.scheduler import PrefillChunk
 from services.engine.sequence import Sequence
 from shared.blocks import BlockLayout, ExtentAllocator, full_blocks_view, layer_view
 from shared.bus import Bus
 from shared.errors import DeadlineExceededError, KvpathError, OverloadedError, TransportError
-from shared.kvclient import ReadLease, StorageClient
+from shared.kvclient import IndexClient, ReadLease, StorageClient
 from shared.protocol.disagg import BufferRef, PrefillTask, PullHits, PullHitsReply
 from shared.transport import KvReceiver
 
@@ -72,6 +73,8 @@ class PrefillConnector(KvConnector):
         self.layout = BlockLayout(spec.num_layers, block_size, self.kv.bytes_per_token_layer)
         fingerprint = spec.fingerprint(runner.dtype, block_size)  # type: ignore[attr-defined]
         self.storage = StorageClient(bus, node, self.layout, fingerprint, owner_id=engine_id)
+        # a request whose first token ends it never reaches a DE: the PE persists its prompt itself
+        self.persister = BlockPersister(self.storage, IndexClient(bus), self.kv, block_size)
         self.receiver = receiver
         self.area = ReceiveArea(receiver, "pe_recv", area_bytes, self.layout, engine_id)
         self.peers = peers
@@ -97,6 +100,7 @@ class PrefillConnector(KvConnector):
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.persister.close()
         await self.storage.close()
 
     # --------------------------------------------------------------------------------------- prepare
@@ -110,7 +114,7 @@ class PrefillConnector(KvConnector):
         remaining = max(0.01, seq.deadline_unix_s - time.time())
         try:
             if st.task.read_side == "pe":
-                lease = await self.storage.read(seq.request_id, self._hashes(seq, hits), deadline_s=remaining)
+                lease = await self.storage.read(seq.request_id, self.persister.chain(seq, hits), deadline_s=remaining)
                 st.lease, st.num_loaded_blocks = lease, lease.num_blocks
             else:
                 st.num_loaded_blocks = await self._pull(seq, st, hits, remaining)
@@ -126,13 +130,6 @@ class PrefillConnector(KvConnector):
         seq.num_hit_tokens = st.num_loaded_blocks * self.block_size
         seq.timings["read_s"] = time.monotonic() - started
         metrics.KV_LOADED_BLOCKS.inc(st.num_loaded_blocks)
-
-    def _hashes(self, seq: Sequence, n: int) -> list[int]:
-        from shared.hashing import block_hashes
-
-        return block_hashes(
-            seq.prompt_token_ids[: n * self.block_size], self.block_size, self.storage.fingerprint
-        )
 
     async def _pull(self, seq: Sequence, st: _PeSeq, hits: int, remaining_s: float) -> int:
         st.pull = self.area.reserve(seq.request_id, hits, ttl_s=remaining_s + 30.0)
@@ -170,17 +167,23 @@ class PrefillConnector(KvConnector):
         if st.staging >= 0:
             self._staging_alloc.free(st.staging)
         token = seq.output_token_ids[0] if seq.output_token_ids else None
+        ends_here = seq.finish_reason in ("stop", "length")  # else handoff (the DE decodes), abort, error
+        persisted = None
+        if ends_here:
+            self.persister.track(seq, st.num_loaded_blocks)
+            self.persister.persist(seq)
+            persisted = self.persister.finish(seq.request_id)
         meta = encode_meta(
             first_token=token,
-            finish_reason=None
-            if seq.finish_reason == "handoff"
-            else seq.finish_reason,  # handoff: DE decodes
+            finish_reason=seq.finish_reason if ends_here else None,
             loaded=st.num_loaded_blocks,
             error=seq.error_message or None,
         )
-        return self._notify_done(st.task.de_buffer, meta)
+        return self._notify_done(st.task.de_buffer, meta, persisted)
 
-    async def _notify_done(self, de: BufferRef, meta: bytes) -> None:
+    async def _notify_done(self, de: BufferRef, meta: bytes, persisted: Awaitable[None] | None) -> None:
+        if persisted is not None:
+            await persisted
         try:
             peer = await self.peers.get(de, timeout_s=self.timeout_s)
             await peer.notify(de.region, tag(de.slot, DONE_LAYER), meta, timeout_s=self.timeout_s)

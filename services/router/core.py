@@ -37,6 +37,7 @@ from shared.protocol import Abort, GenerateTask, LoadReport, SamplingParams, Tas
 log = logging.getLogger(__name__)
 
 MAX_DISPATCH_ATTEMPTS = 3
+REORDER_WINDOW_S = 2.0  # a delta may overtake its predecessor this long (PE -> DE hand-off)
 
 
 @dataclass(slots=True)
@@ -72,7 +73,7 @@ class RouterCore:
     # ------------------------------------------------------------------------------------ bus inputs
 
     def on_token_batch(self, batch: TokenBatch) -> None:
-        self.streams.deliver(batch)
+        self.streams.deliver(batch, time.monotonic())
 
     def on_load_report(self, report: LoadReport) -> None:
         self.engines.update(report, time.monotonic())
@@ -80,8 +81,11 @@ class RouterCore:
             self.disagg.dispatcher.kick()  # loads changed: queued requests may fit now
 
     def fail_silent_engines(self) -> int:
-        """Fail the streams of engines whose load reports stopped; return how many streams failed."""
-        failed = 0
+        """Fail the streams of engines whose load reports stopped, and streams with a token gap that did not
+        close in time (a lost message); return how many streams failed."""
+        failed = self.streams.expire_gaps(time.monotonic(), REORDER_WINDOW_S)
+        if failed:
+            metrics.ENGINE_FAILURES.labels("token_gap").inc(failed)
         for engine_id in self.streams.engines_with_streams():
             state = self.engines.get(engine_id)
             if state is None or engine_id in self.engines.silent(time.monotonic()):
@@ -187,12 +191,17 @@ class RouterCore:
                 )
             metrics.QUEUED.dec()
             metrics.RUNNING.inc()
+            # one timer per request, not one per wait: at the deadline the stream gets the deadline error
+            expiry = asyncio.get_running_loop().call_later(
+                max(0.0, deadline - time.monotonic()), stream.put_error, self._deadline_error()
+            )
             try:
                 async for piece in self._pieces(stream, prompt, deadline, usage, started):
                     if piece.finish_reason is not None:
                         is_finished = True
                     yield piece
             finally:
+                expiry.cancel()
                 metrics.RUNNING.dec()
         except BaseException:
             if stream is None or not stream.engine_ids:
@@ -275,19 +284,13 @@ class RouterCore:
             yield Piece(text, token_ids)
 
     async def _next_deltas(self, stream: RequestStream, deadline: float) -> list[TokenDelta]:
-        """Wait for the next delta, then take every delta already queued (coalescing a slow reader)."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        """Wait for the next delta, then take every delta already queued (coalescing a slow reader).
+
+        The wait ends at the deadline too: `generate` arms a timer that puts the deadline error in the queue.
+        """
+        if deadline - time.monotonic() <= 0:
             raise self._deadline_error()
-        if stream.queue.empty():
-            try:
-                async with asyncio.timeout(remaining):  # a timer, not a task per wait (wait_for)
-                    item = await stream.queue.get()
-            except TimeoutError:
-                raise self._deadline_error() from None
-        else:
-            item = stream.queue.get_nowait()
-        items = [item]
+        items = [await stream.queue.get()]
         while not stream.queue.empty() and not isinstance(items[-1], KvpathError):
             if isinstance(items[-1], TokenDelta) and items[-1].finish_reason is not None:
                 break

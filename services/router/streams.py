@@ -24,6 +24,7 @@ StreamItem = TokenDelta | KvpathError
 class RequestStream:
     request_id: str
     engine_ids: set[str] = field(default_factory=set)  # engines whose failure fails the stream
+    held: dict[int, tuple[TokenDelta, str, float]] = field(default_factory=dict)  # ahead of next_seq
     queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
     next_seq: int = 0
     is_finished: bool = False
@@ -77,38 +78,58 @@ class StreamTable:
     def get(self, request_id: str) -> RequestStream | None:
         return self._streams.get(request_id)
 
-    def deliver(self, batch: TokenBatch) -> int:
-        """Route a batch's deltas; return how many reached an open stream."""
+    def deliver(self, batch: TokenBatch, now: float = 0.0) -> int:
+        """Route a batch's deltas in sequence order; return how many reached an open stream.
+
+        A delta ahead of the next expected one is held: after a hand-off (PE -> DE) the two engines'
+        messages may arrive out of order. One that stays missing is a gap (`expire_gaps`).
+        """
         delivered = 0
         for delta in batch.deltas:
             stream = self._streams.get(delta.request_id)
-            if stream is None or stream.is_finished:
-                continue  # aborted or already failed: late tokens are dropped
-            if delta.seq < stream.next_seq:
-                continue  # duplicate
+            if stream is None or stream.is_finished or delta.seq < stream.next_seq:
+                continue  # aborted, failed, or a duplicate: dropped
             if delta.seq > stream.next_seq:
+                stream.held[delta.seq] = (delta, batch.engine_id, now)
+                continue
+            delivered += self._push(stream, delta, batch.engine_id)
+            while stream.next_seq in stream.held and not stream.is_finished:
+                held, engine_id, _ = stream.held.pop(stream.next_seq)
+                delivered += self._push(stream, held, engine_id)
+        return delivered
+
+    def _push(self, stream: RequestStream, delta: TokenDelta, engine_id: str) -> int:
+        stream.next_seq += 1
+        if delta.handoff:
+            self.unassign(delta.request_id, engine_id)
+        if delta.finish_reason is not None:
+            stream.is_finished = True
+        stream.queue.put_nowait(delta)
+        return 1
+
+    def expire_gaps(self, now: float, window_s: float) -> int:
+        """Fail streams whose missing delta did not arrive within `window_s` of a later one (lost)."""
+        failed = 0
+        for stream in self._streams.values():
+            if not stream.held or stream.is_finished:
+                continue
+            seq, (_, engine_id, held_at) = min(stream.held.items())
+            if now - held_at > window_s:
                 log.warning(
                     "token gap request_id=%s expected=%d got=%d engine=%s",
-                    delta.request_id,
+                    stream.request_id,
                     stream.next_seq,
-                    delta.seq,
-                    batch.engine_id,
+                    seq,
+                    engine_id,
                 )
                 stream.put_error(
                     EngineFailedError(
-                        f"token stream gap from engine {batch.engine_id}: expected delta {stream.next_seq}, "
-                        f"got {delta.seq}"
+                        f"token stream gap: delta {stream.next_seq} never arrived "
+                        f"(delta {seq} from {engine_id} did)"
                     )
                 )
-                continue
-            stream.next_seq += 1
-            if delta.handoff:
-                self.unassign(delta.request_id, batch.engine_id)
-            if delta.finish_reason is not None:
-                stream.is_finished = True
-            stream.queue.put_nowait(delta)
-            delivered += 1
-        return delivered
+                failed += 1
+        return failed
 
     def fail_engine(self, engine_id: str, error: KvpathError) -> int:
         """Fail every open stream served by `engine_id` (it died or stopped answering)."""

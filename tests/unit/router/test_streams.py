@@ -24,14 +24,31 @@ def test_in_order_delivery_and_duplicates_dropped() -> None:
     assert [i.token_ids for i in items if isinstance(i, TokenDelta)] == [[5], [6]]
 
 
-def test_gap_fails_the_stream_with_a_clear_error() -> None:
+def test_out_of_order_deltas_are_reordered() -> None:
+    # after a PE -> DE hand-off the DE's first delta may overtake the PE's
+    table = StreamTable()
+    s = table.open("r1", "pe")
+    table.assign("r1", "de")
+    assert table.deliver(batch(d("r1", 1, 7), engine="de"), now=1.0) == 0
+    handoff = d("r1", 0, 6)
+    handoff.handoff = True
+    assert table.deliver(batch(handoff, engine="pe"), now=1.1) == 2
+    got = [s.queue.get_nowait() for _ in range(2)]
+    assert [x.token_ids for x in got if isinstance(x, TokenDelta)] == [[6], [7]]
+    assert table.fail_engine("pe", EngineFailedError("gone")) == 0  # the PE handed off: not its stream now
+    assert table.expire_gaps(now=10.0, window_s=2.0) == 0
+
+
+def test_gap_that_never_closes_fails_the_stream() -> None:
     table = StreamTable()
     s = table.open("r1", "e1")
-    table.deliver(batch(d("r1", 0, 1), d("r1", 2, 3)))
+    table.deliver(batch(d("r1", 0, 1), d("r1", 2, 3)), now=5.0)
     assert isinstance(s.queue.get_nowait(), TokenDelta)
+    assert table.expire_gaps(now=6.0, window_s=2.0) == 0  # still within the reorder window
+    assert table.expire_gaps(now=7.5, window_s=2.0) == 1
     err = s.queue.get_nowait()
-    assert isinstance(err, EngineFailedError) and "expected delta 1, got 2" in err.message
-    assert table.deliver(batch(d("r1", 1, 2))) == 0  # nothing after the failure
+    assert isinstance(err, EngineFailedError) and "delta 1 never arrived" in err.message
+    assert table.deliver(batch(d("r1", 1, 2)), now=8.0) == 0  # nothing after the failure
 
 
 def test_tokens_before_assignment_are_kept() -> None:
