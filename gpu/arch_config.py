@@ -133,6 +133,18 @@ def load_arch_config(model_dir: str | Path) -> ArchConfig:
     return parse_arch_config(raw, generation, source=str(model_dir / "config.json"))
 
 
+def read_eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """EOS ids as generation uses them (generation_config.json, else config.json); no architecture check."""
+    model_dir = Path(model_dir)
+    ids: tuple[int, ...] = ()
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            value = read_json(path).get("eos_token_id")
+            ids = _eos_ids(value) if value is not None else ids
+    return ids
+
+
 def parse_arch_config(
     raw: dict[str, Any], generation: dict[str, Any], *, source: str = "config.json"
 ) -> ArchConfig:

@@ -129,7 +129,7 @@ class IncrementalDecoder:
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
-    from gpu.arch_config import load_arch_config
+    from gpu.arch_config import read_eos_token_ids
 
     model_dir = Path(model_dir)
     path = model_dir / "tokenizer.json"
@@ -142,7 +142,7 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     config_path = model_dir / "tokenizer_config.json"
     tok_config = read_json(config_path) if config_path.is_file() else {}
     template = chat_template.find_chat_template(model_dir, tok_config)
-    eos_ids = load_arch_config(model_dir).eos_token_ids if (model_dir / "config.json").is_file() else ()
+    eos_ids = read_eos_token_ids(model_dir)
     return Tokenizer(hf, tokenizer_config=tok_config, template=template, extra_eos_token_ids=eos_ids)
 
 

@@ -136,3 +136,14 @@ def test_missing_template_is_an_invalid_request(tmp_path: Path) -> None:
     _write_sentencepiece_like(folder)
     with pytest.raises(InvalidRequestError, match="no chat template"):
         load_tokenizer(folder).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_eos_ids_come_from_generation_config_whatever_the_architecture(tmp_path: Path) -> None:
+    folder = tmp_path / "sp"
+    _write_sentencepiece_like(folder)
+    (folder / "config.json").write_text(
+        json.dumps({"architectures": ["MambaForCausalLM"], "eos_token_id": 2})
+    )
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert set(load_tokenizer(folder).eos_token_ids) == {1, 2}
