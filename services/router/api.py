@@ -26,6 +26,7 @@ from shared.errors import InvalidRequestError, KvpathError, ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
+_NO_FINISH = b',"logprobs":null,"finish_reason":null'
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -170,7 +171,7 @@ async def _stream(
         piece = first
         while piece is not None:
             if piece.text or piece.finish_reason is not None or renderer.wants_token_ids(piece.token_ids):
-                await write(renderer.sse(renderer.chunk(piece.text, piece.finish_reason, piece.token_ids)))
+                await write(renderer.chunk_sse(piece.text, piece.finish_reason, piece.token_ids))
             piece = await anext(pieces, None)
         if renderer.include_usage:
             await write(renderer.sse(renderer.usage_chunk(usage)))
@@ -186,6 +187,8 @@ class _Renderer:
     """Builds OpenAI response objects for one request."""
 
     __slots__ = (
+        "_chunk_head",
+        "_chunk_tail",
         "created",
         "endpoint",
         "has_sent_prompt_ids",
@@ -210,6 +213,11 @@ class _Renderer:
         self.prompt_token_ids = prompt_token_ids  # set when the client asked for token ids
         self.has_sent_prompt_ids = False
         self.created = int(time.time())
+        # constant parts of every middle chunk's SSE bytes (see chunk_sse)
+        obj_type = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+        envelope = orjson.dumps(self._envelope(obj_type))[:-1]  # without the closing brace
+        self._chunk_head = b"data: " + envelope + b',"choices":[{"index":0,'
+        self._chunk_tail = b"}]" + (b',"usage":null' if include_usage else b"") + b"}\n\n"
 
     def wants_token_ids(self, token_ids: list[int]) -> bool:
         return self.prompt_token_ids is not None and bool(token_ids)
@@ -217,6 +225,18 @@ class _Renderer:
     @staticmethod
     def sse(obj: dict[str, Any]) -> bytes:
         return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    def chunk_sse(self, text: str, finish_reason: str | None, token_ids: list[int]) -> bytes:
+        """`sse(chunk(text, finish_reason, token_ids))`; the same bytes, built from the constant parts for a
+        middle chunk (no finish reason, prompt ids already sent): the per-token hot path."""
+        if finish_reason is not None or (self.prompt_token_ids is not None and not self.has_sent_prompt_ids):
+            return self.sse(self.chunk(text, finish_reason, token_ids))
+        if self.endpoint == "chat":
+            body = b'"delta":{"content":' + orjson.dumps(text) + b"}" if text else b'"delta":{}'
+        else:
+            body = b'"text":' + orjson.dumps(text)
+        ids = b',"token_ids":' + orjson.dumps(token_ids) if self.prompt_token_ids is not None else b""
+        return b"".join((self._chunk_head, body, _NO_FINISH, ids, self._chunk_tail))
 
     def _envelope(self, obj_type: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj_type, "created": self.created, "model": self.model}

@@ -31,6 +31,7 @@ from services.router.bench_stack import (
     BenchStack,
     CpuSampler,
     RouterBenchOptions,
+    listen_overflows,
     pin_cpus,
     start_py_spy,
     stop_py_spy,
@@ -166,8 +167,10 @@ async def _measure(stack: BenchStack, opts: RouterBenchOptions, json_path: Path)
     sampler = CpuSampler(pids)
     sampling = asyncio.create_task(sampler.run())
     profiler = await start_py_spy(opts.py_spy, pids["router"][0]) if opts.py_spy else None
+    overflows_before = listen_overflows()
     try:
         client = await _run_client(stack.url, opts, json_path, sampler)
+        overflows = listen_overflows() - overflows_before if overflows_before >= 0 else -1
     finally:
         sampling.cancel()
         await asyncio.gather(sampling, return_exceptions=True)
@@ -189,6 +192,7 @@ async def _measure(stack: BenchStack, opts: RouterBenchOptions, json_path: Path)
         "meets_target": client["steady_tokens_per_s"] >= TARGET_TOKENS_PER_S,
         **_cpu_fields(sampler, client),
         **steps,
+        "listen_overflows": overflows,
         "client": client,
     }
 
@@ -277,8 +281,18 @@ def format_router_summary(out: dict[str, Any]) -> str:
             f"  TTFT p50 / p99          : {client['ttft_ms']['p50']:.1f} / {client['ttft_ms']['p99']:.1f} ms",
             f"  ITL  p50 / p99          : {client['itl_ms']['p50']:.2f} / {client['itl_ms']['p99']:.2f} ms",
             f"  load-driver steps       : {out['engine_steps']} ({out['engine_late_steps']} late)",
+            *_overflow_note(out["listen_overflows"]),
         ]
     )
+
+
+def _overflow_note(overflows: int) -> list[str]:
+    if overflows <= 0:
+        return []
+    return [
+        f"  note: {overflows} connection attempts met a full listen queue during the run (host-wide count); "
+        "each waits for a SYN retransmit (1 s, then 3 s), which shows up in TTFT p99"
+    ]
 
 
 def _percents(cpu: dict[str, float]) -> str:

@@ -189,6 +189,19 @@ def pin_cpus(pids: dict[str, list[int]], pin: bool) -> str:
     return f"router on CPU {cpus[0]}; nats, load drivers, client and this process on CPUs {cpus[1:]}"
 
 
+def listen_overflows() -> int:
+    """Host-wide count of connections dropped because a listen queue was full (Linux; -1 elsewhere)."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return -1
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            fields = dict(zip(names.split()[1:], values.split()[1:], strict=False))
+            return int(fields.get("ListenOverflows", -1))
+    return -1
+
+
 async def start_py_spy(path: str, pid: int) -> asyncio.subprocess.Process:
     formats = {".svg": "flamegraph", ".txt": "raw", ".json": "speedscope"}
     fmt = formats.get(Path(path).suffix, "flamegraph")

@@ -1,20 +1,31 @@
 """The router hot-path changes made for `bench router` keep behaviour: the fast TokenBatch decoder gives
-exactly the codec's result or error, and a stream's deadline still fires while it waits for tokens."""
+exactly the codec's result or error, SSE chunks from prebuilt parts are byte-identical, and a stream's
+deadline still fires while it waits for tokens."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 import pytest
 
+from gpu.model_spec import load_model_spec
+from gpu.tokenizer import load_tokenizer
+from services.router import handlers
+from services.router.api import _Renderer
+from services.router.bench_engine import LoadDriverConfig, LoadDriverEngine
 from services.router.config import RouterConfig
-from services.router.core import RouterCore
+from services.router.core import RouterCore, Usage
 from services.router.handlers import decode_token_batch
+from services.router.prompts import PreparedPrompt
+from services.router.requests import GenerationRequest
 from shared.bus import Bus
 from shared.errors import DeadlineExceededError, ProtocolError
+from shared.natsserver import NatsServer
 from shared.protocol import TokenBatch, TokenDelta, decode, encode
 
 
@@ -95,20 +106,62 @@ def test_fast_decode_coerces_and_ignores_like_the_codec() -> None:
     assert batch.deltas[0].timings == {"queue_s": 1.0} and type(batch.deltas[0].timings["queue_s"]) is float
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("prompt_ids", [None, [3, 4]])
+def test_sse_chunks_from_prebuilt_parts_are_byte_identical(
+    endpoint: str, include_usage: bool, prompt_ids: list[int] | None
+) -> None:
+    fast = _Renderer(endpoint, "cmpl-1", 'm"odel', include_usage, prompt_ids)
+    slow = _Renderer(endpoint, "cmpl-1", 'm"odel', include_usage, prompt_ids)
+    slow.created = fast.created
+    if endpoint == "chat":
+        assert fast.sse(fast.chunk("", None, [], role=True)) == slow.sse(slow.chunk("", None, [], role=True))
+    pieces = [("a", None, [1]), ("", None, [2]), ('q"\\ \u00e9\n\U0001f600', None, [3, 4]), ("", None, [])]
+    pieces += [("end", "length", [5])]
+    for text, finish, ids in pieces:
+        assert fast.chunk_sse(text, finish, ids) == slow.sse(slow.chunk(text, finish, ids)), (text, finish)
+
+
 def test_non_json_is_the_codecs_protocol_error() -> None:
     with pytest.raises(ProtocolError, match="not JSON"):
         decode_token_batch(b"{nope")
 
 
-async def test_waiting_for_tokens_still_hits_the_request_deadline() -> None:
-    core = RouterCore(RouterConfig(request_deadline_s=1.0), Bus("nats://127.0.0.1:1", "t", name="t"), "r")
-    stream = core.streams.open("req")
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    with pytest.raises(DeadlineExceededError, match="1s deadline"):
-        await core._next_deltas(stream, deadline=started + 0.05)
-    assert stream.queue.empty()
-    stream.queue.put_nowait(TokenDelta(request_id="req", seq=0, token_ids=[5]))
-    stream.queue.put_nowait(TokenDelta(request_id="req", seq=1, token_ids=[6], finish_reason="length"))
-    deltas = await core._next_deltas(stream, deadline=loop.time() + 5)
-    assert [d.token_ids for d in deltas] == [[5], [6]]  # queued deltas are taken together, no wait
+async def test_a_stream_waiting_for_tokens_still_ends_at_its_deadline(
+    nats_server: NatsServer, namespace: str
+) -> None:
+    """Real bus, a load driver at 5 steps/s, a router core with a 0.6 s deadline: tokens flow, then the
+    deadline error ends the stream, and the driver gets the abort."""
+    common = {"nats_url": nats_server.url, "namespace": namespace}
+    driver = LoadDriverEngine(LoadDriverConfig(**common, step_hz=5.0))
+    await driver.start()
+    bus = Bus(nats_server.url, namespace, name="router-t")
+    await bus.connect()
+    try:
+        core = RouterCore(RouterConfig(**common, request_deadline_s=0.6), bus, "router-t")
+        await bus.subscribe_raw(bus.subjects.tokens("router-t"), handlers.token_batch_handler(core))
+        await bus.subscribe_raw(bus.subjects.load_all, handlers.load_report_handler(core))
+        await _until(lambda: bool(core.snapshot(("colocated",))))
+        tokenizer = load_tokenizer(load_model_spec("tiny", None).model_dir)
+        request = GenerationRequest(
+            endpoint="completions", model="tiny", prompt_token_ids=[1, 2], max_tokens=99
+        )
+        prompt = PreparedPrompt(request=request, token_ids=[1, 2], max_tokens=99, tokenizer=tokenizer)
+        started = time.monotonic()
+        pieces = []
+        with pytest.raises(DeadlineExceededError, match="1s deadline"):
+            async for piece in core.generate(prompt, "cmpl-deadline", Usage()):
+                pieces.append(piece)
+        assert pieces and 0.55 < time.monotonic() - started < 5.0
+        await _until(lambda: not driver.streams)  # the router aborted the request in the engine
+    finally:
+        await bus.close()
+        await driver.stop()
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
