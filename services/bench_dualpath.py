@@ -294,12 +294,12 @@ def plot(results: list[RunResult], path: str) -> None:
     axes[0].tick_params(axis="x", rotation=30)
     for ax, run in zip(axes[1:], balance_runs, strict=True):
         for node in sorted(run.read_bytes_per_node):
-            points = [(t, v) for t, n, v in run.samples if n == node]
+            points = [(t, v) for t, n, v in run.samples if n == node][:: max(1, round(1.0 / SAMPLE_PERIOD_S))]
             rates = [
                 (t1, (v1 - v0) / (t1 - t0) / 1e6)
                 for (t0, v0), (t1, v1) in itertools.pairwise(points)
                 if t1 > t0
-            ]
+            ]  # MB/s over ~1 s steps
             ax.plot([t for t, _ in rates], [r for _, r in rates], label=f"node {node}")
         ax.set_title(f"{run.name}: storage reads (balance {run.balance or 0:.2f})")
         ax.set_xlabel("time (s)")
