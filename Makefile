@@ -4,9 +4,11 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 CONSTRAINTS ?= constraints/cpu.txt
+EXTRAS ?= test
+PIP_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(notdir $(CONSTRAINTS))
-LINT_PATHS := shared services gpu loadgen tests
+LINT_PATHS := shared services gpu loadgen tests deploy
 TYPED_PATHS := shared services loadgen
 
 .PHONY: venv run test lint typecheck unit clean
@@ -14,7 +16,7 @@ TYPED_PATHS := shared services loadgen
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test]'
+	$(PY) -m pip install --quiet $(PIP_ARGS) -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 

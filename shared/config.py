@@ -46,6 +46,11 @@ class BaseConfig:
     node: int = doc(0, "node number: engines of one node share its DRAM buffer and storage service")
     http_host: str = doc("127.0.0.1", "bind address of the service's HTTP endpoint (health, metrics)")
     http_port: int = doc(0, "port of the service's HTTP endpoint; 0 picks a free one")
+    advertise_host: str = doc(
+        "",
+        "host name peers use to reach this service; default: http_host, or this "
+        "machine's name when http_host is 0.0.0.0",
+    )
     load_report_interval_s: float = doc(0.1, "period of load reports on the bus")
     heartbeat_interval_s: float = doc(1.0, "period of registry heartbeats")
     registry_ttl_s: float = doc(5.0, "a service missing heartbeats this long is considered gone")

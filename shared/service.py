@@ -235,7 +235,15 @@ class Service:
         server = getattr(site, "_server", None)
         if server is not None and server.sockets:
             port = server.sockets[0].getsockname()[1]
-        self.http_url = f"http://{self.config.http_host}:{port}"
+        self.http_url = f"http://{self.advertised_host()}:{port}"
+
+    def advertised_host(self) -> str:
+        """The host name peers should use: configured, else the bind address unless it is a wildcard."""
+        if self.config.advertise_host:
+            return self.config.advertise_host
+        if self.config.http_host in ("0.0.0.0", "::", ""):
+            return socket.gethostname()
+        return self.config.http_host
 
     async def _handle_health(self, request: web.Request) -> web.Response:
         details = self.health()

@@ -114,7 +114,8 @@ class PrefillConnector(KvConnector):
         remaining = max(0.01, seq.deadline_unix_s - time.time())
         try:
             if st.task.read_side == "pe":
-                lease = await self.storage.read(seq.request_id, self.persister.chain(seq, hits), deadline_s=remaining)
+                hashes = self.persister.chain(seq, hits)
+                lease = await self.storage.read(seq.request_id, hashes, deadline_s=remaining)
                 st.lease, st.num_loaded_blocks = lease, lease.num_blocks
             else:
                 st.num_loaded_blocks = await self._pull(seq, st, hits, remaining)

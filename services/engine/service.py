@@ -132,7 +132,11 @@ class EngineService(Service):
         from services.engine.disagg import PeerPool
         from shared.transport import KvReceiver, KvSender, TransportConfig
 
-        tcfg = TransportConfig(bind_host=self.config.kv_bind_host, backends=list(self.config.kv_backends))
+        tcfg = TransportConfig(
+            bind_host=self.config.kv_bind_host,
+            advertise_host=self.config.advertise_host,
+            backends=list(self.config.kv_backends),
+        )
         tcfg.validate()
         self.receiver = KvReceiver(tcfg, receiver_id=self.service_id)
         await self.receiver.start()
