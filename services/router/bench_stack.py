@@ -38,6 +38,14 @@ class RouterBenchOptions:
     router_src: str = ""  # run the router from this source tree (A/B against another version)
     startup_timeout_s: float = 90.0
 
+    def validate(self) -> None:
+        if min(self.streams, self.tokens_per_stream, self.rounds, self.engines, self.prompt_tokens) < 1:
+            raise ValueError("streams, tokens per stream, rounds, engines and prompt tokens must be >= 1")
+        if self.step_hz <= 0:
+            raise ValueError(f"step rate must be > 0, got {self.step_hz}")
+        if self.router_src and not (Path(self.router_src) / "services" / "router").is_dir():
+            raise ValueError(f"--router-src {self.router_src} holds no services/router")
+
 
 class BenchStack:
     """nats-server, one router process and the load drivers, in a temporary directory."""
@@ -206,12 +214,26 @@ async def start_py_spy(path: str, pid: int) -> asyncio.subprocess.Process:
     formats = {".svg": "flamegraph", ".txt": "raw", ".json": "speedscope"}
     fmt = formats.get(Path(path).suffix, "flamegraph")
     exe = Path(sys.executable).parent / "py-spy"
-    return await asyncio.create_subprocess_exec(
-        str(exe) if exe.exists() else "py-spy",
-        *("record", "--pid", str(pid), "--rate", "200", "--format", fmt, "--output", path, "--nonblocking"),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+    try:
+        return await asyncio.create_subprocess_exec(
+            str(exe) if exe.exists() else "py-spy",
+            *(
+                "record",
+                "--pid",
+                str(pid),
+                "--rate",
+                "200",
+                "--format",
+                fmt,
+                "--output",
+                path,
+                "--nonblocking",
+            ),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+    except FileNotFoundError:
+        raise RuntimeError("py-spy is not installed (pip install py-spy)") from None
 
 
 async def stop_py_spy(proc: asyncio.subprocess.Process) -> None:

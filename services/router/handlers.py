@@ -120,6 +120,8 @@ def _fast_delta(d: Any) -> TokenDelta | None:
 def _timings(value: Any) -> dict[str, float] | None:
     if type(value) is not dict:
         return None
+    if not value:
+        return {}  # every delta but a request's first
     out = {}
     for key, seconds in value.items():
         if type(key) is not str or type(seconds) not in (int, float):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from services.router.bench_client import (
     summarize,
 )
 from services.router.bench_engine import DriverStream, StepEncoder
-from services.router.bench_stack import BenchStack, RouterBenchOptions
+from services.router.bench_stack import BenchStack, CpuSampler, RouterBenchOptions
 from shared.protocol import TokenBatch, decode
 
 # ------------------------------------------------------------------------------------------ pure parts
@@ -89,6 +90,19 @@ def test_error_event_is_recorded() -> None:
     rec = RequestRecord(started_s=0.0)
     apply_event(rec, b'{"error": {"message": "engine died", "code": "engine_failed"}}', 0.1, exact=True)
     assert rec.error == "engine died"
+
+
+def test_cpu_sampler_attributes_cpu_seconds_to_the_window() -> None:
+    sampler = CpuSampler({"me": [os.getpid()]})
+    sampler.sample()
+    t0 = time.time()
+    cpu_start = time.process_time()
+    while time.process_time() - cpu_start < 0.1:  # burn 0.1 s of this process's CPU
+        pass
+    t1 = time.time()
+    sampler.sample()
+    used = sampler.seconds_between(t0, t1)["me"]
+    assert 0.08 <= used <= (time.process_time() - cpu_start) + 0.03
 
 
 # ------------------------------------------------------------------------- against real processes
