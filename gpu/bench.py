@@ -3,8 +3,9 @@
 Both run the same HF folder, the same prompts (random token ids, fixed seed), the same number of new tokens,
 greedy, in one process with the same torch thread count. Runs alternate between the two. Tokens/s are from
 the best of `repeats` wall-clock runs; because this is usually a shared machine, the decode speedup is also
-given from the median process CPU time, which other tenants disturb far less. Transformers' prefill is
-generate(max_new_tokens=1) and its decode time is generate(max_new_tokens=new+1) minus that.
+given from the median process CPU time, which other tenants disturb far less. Transformers runs one generate
+call of new+1 tokens per repeat; a logits processor stamps the moment the first token's logits exist, which
+splits it into prefill and decode.
 """
 
 from __future__ import annotations
@@ -108,19 +109,42 @@ async def time_runner(runner: ModelRunner, token_ids: list[list[int]], new_token
             runner.kv.free(s.block_ids)
 
 
+class _FirstTokenStamp:
+    """A transformers logits processor that notes when the first token's logits are ready (prefill done)."""
+
+    def __init__(self) -> None:
+        self.wall: float | None = None
+        self.cpu: float | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.wall is None:
+            if scores.device.type == "cuda":
+                torch.cuda.synchronize(scores.device)
+            self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return scores
+
+
 def time_transformers(model: Any, token_ids: list[list[int]], new_tokens: int) -> Timing:
+    """One generate call of new_tokens + 1 tokens: prefill up to the first token's logits, then decode."""
+    from transformers import LogitsProcessorList
+
     ids = torch.tensor(token_ids, device=model.device)
+    stamp = _FirstTokenStamp()
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
-    first, full = Timing(), Timing()
-    with torch.inference_mode():
-        with _clock(first, "prefill", model.device):
-            model.generate(ids, max_new_tokens=1, **kwargs)
-        with _clock(full, "prefill", model.device):
-            out = model.generate(ids, max_new_tokens=new_tokens + 1, **kwargs)
+    whole = Timing()
+    with torch.inference_mode(), _clock(whole, "prefill", model.device):
+        start_wall, start_cpu = time.perf_counter(), time.process_time()
+        out = model.generate(
+            ids, max_new_tokens=new_tokens + 1, logits_processor=LogitsProcessorList([stamp]), **kwargs
+        )
     assert out.shape[1] == ids.shape[1] + new_tokens + 1, out.shape
-    first.decode_s = max(full.prefill_s - first.prefill_s, 1e-9)
-    first.decode_cpu_s = max(full.prefill_cpu_s - first.prefill_cpu_s, 1e-9)
-    return first
+    assert stamp.wall is not None and stamp.cpu is not None
+    return Timing(
+        prefill_s=stamp.wall - start_wall,
+        decode_s=whole.prefill_s - (stamp.wall - start_wall),
+        prefill_cpu_s=stamp.cpu - start_cpu,
+        decode_cpu_s=whole.prefill_cpu_s - (stamp.cpu - start_cpu),
+    )
 
 
 async def bench_model(name: str, config: BenchConfig) -> list[BenchRow]:
@@ -137,7 +161,9 @@ async def bench_model(name: str, config: BenchConfig) -> list[BenchRow]:
     try:
         for batch_size in config.batch_sizes:
             token_ids = prompts(batch_size, config.prompt_len, runner.spec.vocab_size)
-            await time_runner(runner, token_ids[:1], 2)  # warm-up
+            await time_runner(runner, token_ids[:1], 2)  # warm-up (both)
+            if hf_model is not None:
+                time_transformers(hf_model, token_ids[:1], 2)
             ours: list[Timing] = []
             theirs: list[Timing] = []
             for _ in range(config.repeats):  # alternate so load from other processes hits both alike
