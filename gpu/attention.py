@@ -56,7 +56,7 @@ class KVLayer:
         self.flat = tensor.view(-1, kv_dim)
 
     def write(self, batch: ForwardBatch, rows: torch.Tensor) -> None:
-        self.flat.index_copy_(0, batch.slot_rows + self.layer * self.block_size, rows)
+        self.flat.index_copy_(0, batch.slot_rows[self.layer], rows)
 
     def _gather(self, block_table: torch.Tensor) -> torch.Tensor:
         return self.by_layer_block.index_select(0, block_table.flatten() * self.num_layers + self.layer)
@@ -71,7 +71,7 @@ class KVLayer:
         assert (
             batch.context_blocks is not None and batch.context_out is not None and batch.key_bias is not None
         )
-        torch.index_select(self.by_layer_block, 0, batch.context_blocks + self.layer, out=batch.context_out)
+        torch.index_select(self.by_layer_block, 0, batch.context_blocks[self.layer], out=batch.context_out)
         rows = batch.context_out.view(batch.key_bias.shape[0], -1, self.flat.shape[1])
         return rows[:, : batch.key_bias.shape[-1]]
 

@@ -35,11 +35,11 @@ class ForwardBatch:
     token_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     rope: torch.Tensor  # [T, rope_dim/2] complex rotation per token
-    slot_rows: torch.Tensor  # [T] row of each new token's layer-0 KV in the flat cache view
+    slot_rows: torch.Tensor  # [layers, T] row of each new token's KV in the flat cache view, per layer
     logit_rows: torch.Tensor  # rows whose logits are wanted
     is_decode: bool
     spans: list[SeqSpan] = field(default_factory=list)  # prefill
-    context_blocks: torch.Tensor | None = None  # decode: [B * max_blocks] layer-0 Layer Block indices
+    context_blocks: torch.Tensor | None = None  # decode: [layers, B * max_blocks] Layer Block indices
     context_out: torch.Tensor | None = (
         None  # decode: scratch [B * max_blocks, block_size, kv_dim] for gathers
     )
@@ -151,7 +151,8 @@ def build_decode_batch(
         spans=[],
     )
     batch.is_decode = True
-    batch.context_blocks = torch.from_numpy((tables * geom.num_layers).reshape(-1)).to(device)
+    layers = np.arange(geom.num_layers)[:, None]
+    batch.context_blocks = torch.from_numpy(tables.reshape(1, -1) * geom.num_layers + layers).to(device)
     batch.key_bias = torch.from_numpy(bias[:, None, None, :]).to(device=device, dtype=dtype)
     return batch
 
@@ -186,8 +187,12 @@ def _finish(
     logit_rows: np.ndarray,
     spans: list[SeqSpan],
 ) -> ForwardBatch:
-    host = torch.from_numpy(np.stack((token_ids, positions, slot_rows)))
-    token_t, pos_t, rows_t = host.to(device).unbind(0)
+    layer_offsets = np.arange(geom.num_layers)[:, None] * geom.block_size
+    host = torch.from_numpy(
+        np.concatenate((token_ids[None], positions[None], slot_rows[None] + layer_offsets))
+    )
+    token_t, pos_t = host[:2].to(device).unbind(0)
+    rows_t = host[2:].to(device)
     rope = rotary.lookup(pos_t, int(positions.max()))
     return ForwardBatch(
         token_ids=token_t,

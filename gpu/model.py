@@ -62,7 +62,7 @@ class Transformer:
         if batch.context_blocks is None or batch.context_out is not None:
             return
         block_size, kv_dim = kv_tensor.shape[2], kv_tensor.shape[3]
-        needed = batch.context_blocks.shape[0] * block_size * kv_dim
+        needed = batch.context_blocks.shape[1] * block_size * kv_dim
         if self._scratch.numel() < needed:
             self._scratch = torch.empty(-(-needed // 65536) * 65536, dtype=self.dtype, device=self.device)
         batch.context_out = self._scratch[:needed].view(-1, block_size, kv_dim)
