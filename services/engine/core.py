@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq, SamplingOptions
-from services.engine import metrics
+from services.engine import metrics, tracing
 from services.engine.batching import AttentionShape, BatchingLimits
 from services.engine.config import EngineConfig
 from services.engine.connector import KvConnector, NullConnector
@@ -71,7 +71,7 @@ class EngineCore:
 
     # ------------------------------------------------------------------------------------- admission
 
-    def submit(self, task: GenerateTask) -> TaskAck:
+    def submit(self, task: GenerateTask, *, trace_parent: Any = None) -> TaskAck:
         """Colocated: validate and queue a task; the ack says whether the engine took it."""
         try:
             seq = self.admit(
@@ -81,6 +81,7 @@ class EngineCore:
                 task.sampling,
                 task.deadline_unix_s,
                 kv_plan=task.kv,
+                trace_parent=trace_parent,
             )
         except KvpathError as exc:
             return TaskAck(request_id=task.request_id, accepted=False, code=exc.code, message=exc.message)
@@ -96,8 +97,11 @@ class EngineCore:
         deadline_unix_s: float,
         *,
         kv_plan: dict | None = None,
+        trace_parent: Any = None,
     ) -> Sequence:
-        """A new sequence for a task, or a KvpathError saying why the engine cannot take it."""
+        """A new sequence for a task, or a KvpathError saying why the engine cannot take it.
+
+        `trace_parent`: the trace context that came with the task (its spans hang off it)."""
         spec = self.runner.spec
         if self.is_draining:
             raise OverloadedError(f"engine {self.engine_id} is draining")
@@ -118,7 +122,7 @@ class EngineCore:
             raise ContextLengthExceededError(
                 f"prompt of {n} tokens does not fit this engine's KV cache", param="prompt"
             )
-        return Sequence(
+        seq = Sequence(
             request_id=request_id,
             router_id=router_id,
             prompt_token_ids=list(prompt),
@@ -127,6 +131,8 @@ class EngineCore:
             arrived_at=time.monotonic(),
             kv_plan=kv_plan or {},
         )
+        tracing.attach(seq, trace_parent)
+        return seq
 
     def start(self, seq: Sequence) -> None:
         """Take the admitted sequence: fetch its external KV, then schedule it."""
@@ -139,7 +145,8 @@ class EngineCore:
         """Let the connector fetch the stored prefix, then queue the sequence for scheduling."""
         started = time.monotonic()
         try:
-            await self.connector.prepare(seq)
+            with tracing.kv_span(seq, self.config.role):
+                await self.connector.prepare(seq)
         except KvpathError as exc:
             seq.error_code, seq.error_message = exc.code, exc.message
         except Exception as exc:
@@ -158,6 +165,7 @@ class EngineCore:
             self._finish_silently(seq, seq.finish_reason)
             return
         seq.timings["queued_at"] = time.monotonic()
+        tracing.queued(seq, self.config.role)
         self.scheduler.add(seq)
         self._wake.set()
 
@@ -241,6 +249,7 @@ class EngineCore:
                 self.quota.observe(pairs, elapsed / self.runner.spec.num_layers)
                 metrics.PREFILL_PREDICTED.observe(self.quota.last_predicted_s)
             metrics.PREFILL_STEP.observe(elapsed)
+            metrics.PREFILL_BATCH_SIZE.observe(len(computed))
             metrics.PREFILL_TOKENS.inc(num_tokens)
             self.prefill_rate.add(num_tokens, elapsed)
         if plan.decode:
@@ -271,6 +280,8 @@ class EngineCore:
     def _apply(self, plan: StepPlan, sampled: dict[str, int]) -> list[Outgoing]:
         touched: list[Sequence] = []
         for chunk in plan.prefill:
+            if chunk.seq.trace is not None:
+                tracing.prefill_chunk(chunk)
             if chunk.load_tokens:
                 chunk.seq.num_cached_tokens = chunk.load_tokens
             chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
@@ -292,6 +303,7 @@ class EngineCore:
                 continue
             if not seq.output_token_ids:
                 seq.timings["first_token_s"] = time.monotonic() - seq.arrived_at
+                tracing.first_token(seq, self.config.role)
             emit, reason = check_stop(
                 seq, token, self.runner.spec.eos_token_ids, self.runner.spec.max_model_len
             )
@@ -331,6 +343,13 @@ class EngineCore:
             prep.cancel()
         self.runner.release(seq.request_id)
         metrics.REQUESTS.labels(reason).inc()
+        if seq.trace is not None:
+            tracing.finished(seq)
+        log.debug(
+            "request finished request_id=%s reason=%s output_tokens=%d",
+            seq.request_id, seq.finish_reason, len(seq.output_token_ids),
+            extra={"request_id": seq.request_id},
+        )  # fmt: skip
         return self._delta(seq)
 
     def _finish_silently(self, seq: Sequence, reason: str) -> None:
@@ -382,7 +401,9 @@ class EngineCore:
         try:
             await wait
         except Exception:
-            log.exception("finish wait failed request_id=%s", delta.request_id)
+            log.exception(
+                "finish wait failed request_id=%s", delta.request_id, extra={"request_id": delta.request_id}
+            )
         await self._publish(router_id, [delta])
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -22,6 +22,7 @@ from services.engine.disagg import DONE_LAYER, Extent, PeerPool, ReceiveArea, de
 from services.engine.scheduler import PrefillChunk
 from services.engine.sequence import Sequence
 from services.engine.storage_connector import StorageConnector
+from shared import telemetry
 from shared.bus import Bus
 from shared.errors import InvalidRequestError, KvpathError
 from shared.kvclient import ReadLease
@@ -111,8 +112,22 @@ class DecodeConnector(StorageConnector):
         n = min(lease.num_blocks, msg.pe_buffer.num_blocks)
         st.num_loaded_blocks = n
         if n:
-            st.stream = asyncio.create_task(self._stream(lease, n, msg.pe_buffer))
+            st.stream = asyncio.create_task(self._traced_stream(msg.request_id, lease, n, msg.pe_buffer))
         return PullHitsReply(request_id=msg.request_id, num_blocks=n, read_s=time.monotonic() - started)
+
+    async def _traced_stream(self, request_id: str, lease: ReadLease, n: int, pe: BufferRef) -> None:
+        """`_stream` in a `kv.transfer` span (DE -> PE; a child of the PE's pull) while tracing is on."""
+        if not telemetry.tracing_enabled():
+            return await self._stream(lease, n, pe)
+        attributes = {
+            "request_id": request_id,
+            "path": "de_to_pe",
+            "peer": pe.engine_id,
+            "num_blocks": n,
+            "bytes": n * self.client.layout.full_block_bytes,
+        }
+        with telemetry.span("kv.transfer", attributes=attributes):
+            return await self._stream(lease, n, pe)
 
     async def _stream(self, lease: ReadLease, n: int, pe: BufferRef) -> None:
         """Layer Blocks of the prefix -> the PE's receive area, layer by layer, one notice per layer."""
@@ -127,6 +142,7 @@ class DecodeConnector(StorageConnector):
             metrics.TRANSFER_BYTES.labels("de_to_pe").inc(n * layout.full_block_bytes)
         except KvpathError as exc:
             log.warning("prefix stream to %s failed at layer %d: %s", pe.engine_id, layer, exc.message)
+            telemetry.set_current_error(f"failed at layer {layer}: {exc.message}")
             await self._fail_stream(pe, layer, exc.message)
 
     async def _fail_stream(self, pe: BufferRef, from_layer: int, reason: str) -> None:

@@ -113,7 +113,9 @@ class ReceiveArea:
         now = time.monotonic()
         expired = [rid for rid, e in self._extents.items() if e.expires_at < now]
         for rid in expired:
-            log.warning("reaping expired extent area=%s request_id=%s", self.name, rid)
+            log.warning(
+                "reaping expired extent area=%s request_id=%s", self.name, rid, extra={"request_id": rid}
+            )
             self.free(rid)
         return len(expired)
 

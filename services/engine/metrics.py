@@ -12,8 +12,10 @@ PREFILL_STEP = Histogram(
 DECODE_STEP = Histogram(
     "kvpath_engine_decode_step_seconds", "Wall time of one decode step", buckets=_STEP_BUCKETS
 )
-BATCH_SIZE = Histogram(
-    "kvpath_engine_decode_batch_size", "Sequences per decode step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BATCH_SIZE = Histogram("kvpath_engine_decode_batch_size", "Sequences per decode step", buckets=_BATCH_BUCKETS)
+PREFILL_BATCH_SIZE = Histogram(
+    "kvpath_engine_prefill_batch_size", "Sequences computed per prefill step", buckets=_BATCH_BUCKETS
 )
 PREFILL_TOKENS = Counter("kvpath_engine_prefill_tokens_total", "Prompt tokens computed (not loaded)")
 REQUESTS = Counter("kvpath_engine_requests_finished_total", "Finished requests by finish reason", ["reason"])

@@ -18,6 +18,7 @@ from typing import Any
 
 from services.engine import metrics
 from services.engine.sequence import Sequence
+from shared import telemetry
 from shared.errors import KvpathError
 from shared.hashing import fingerprint_seed, next_block_hash
 from shared.kvclient import IndexClient, StagedBlocks, StorageClient
@@ -80,7 +81,10 @@ class BlockPersister:
             parent = next_block_hash(parent, seq.token_ids(i * bs, (i + 1) * bs))
             hashes.append(parent)
         chain.num_persisted_blocks, chain.last_hash = full, parent
-        chain.writes.append(asyncio.create_task(self._write(seq.request_id, staged, hashes, parents)))
+        # the write's bus request (and the storage service's span) belongs to the request's trace
+        context = telemetry.task_context(seq.trace.parent) if seq.trace is not None else None
+        write = self._write(seq.request_id, staged, hashes, parents)
+        chain.writes.append(asyncio.create_task(write, context=context))
 
     async def _write(
         self, request_id: str, staged: StagedBlocks, hashes: list[int], parents: list[int]
@@ -89,7 +93,10 @@ class BlockPersister:
             result = await self.client.write(staged, hashes, parents, request_id=request_id)
         except KvpathError as exc:
             metrics.KV_PERSIST_FAILURES.labels(exc.code).inc(len(hashes))
-            log.warning("persist failed request_id=%s code=%s: %s", request_id, exc.code, exc.message)
+            log.warning(
+                "persist failed request_id=%s code=%s: %s", request_id, exc.code, exc.message,
+                extra={"request_id": request_id},
+            )  # fmt: skip
             return 0
         metrics.KV_PERSISTED_BLOCKS.inc(result.num_written)
         return result.event_stream_seq
@@ -113,7 +120,9 @@ class BlockPersister:
             try:
                 await self.index.wait_applied(last, timeout_s=max(0.01, deadline - time.monotonic()))
             except KvpathError as exc:
-                log.warning("index lag request_id=%s: %s", request_id, exc.message)
+                log.warning(
+                    "index lag request_id=%s: %s", request_id, exc.message, extra={"request_id": request_id}
+                )
 
     async def close(self) -> None:
         tasks = [*self._tasks, *(w for c in self._chains.values() for w in c.writes)]

@@ -27,6 +27,7 @@ from services.engine.disagg import DONE_LAYER, Extent, PeerPool, ReceiveArea, de
 from services.engine.persist import BlockPersister
 from services.engine.scheduler import PrefillChunk
 from services.engine.sequence import Sequence
+from shared import telemetry
 from shared.blocks import BlockLayout, ExtentAllocator, full_blocks_view, layer_view
 from shared.bus import Bus
 from shared.errors import DeadlineExceededError, KvpathError, OverloadedError, TransportError
@@ -217,13 +218,17 @@ class PrefillConnector(KvConnector):
 
 
 class _PrefillHook(LayerHook):
-    """Loads the prefix layer by layer and streams each computed layer to the DE buffers."""
+    """Loads the prefix layer by layer and streams each computed layer to the DE buffers.
+
+    While tracing is on, each request of the batch gets a `kv.transfer` span (PE -> DE) from the start of
+    the forward to its last layer's writes being done, with the bytes sent."""
 
     def __init__(self, conn: PrefillConnector, items: list[tuple[PrefillChunk, _PeSeq]]) -> None:
         self.conn = conn
         self.items = items
-        self.writes: list[tuple[_PeSeq, asyncio.Task[None]]] = []
+        self.writes: list[tuple[_PeSeq, asyncio.Task[int]]] = []
         self.started = time.monotonic()
+        self.spans = [_transfer_span(c, st) for c, st in items] if telemetry.tracing_enabled() else None
 
     async def before_layer(self, layer: int, seqs: Seq[PrefillSeq]) -> None:
         for chunk, st in self.items:
@@ -261,14 +266,26 @@ class _PrefillHook(LayerHook):
             if st.error is None and (st.task.is_layerwise or last):
                 self.writes.append((st, asyncio.create_task(self._send(chunk, st, layer))))
         if last:
+            sent: dict[int, int] = {}
             for st, write in self.writes:
                 try:
-                    await write
+                    nbytes = await write
                 except KvpathError as exc:
                     st.error = st.error or exc
+                else:
+                    sent[id(st)] = sent.get(id(st), 0) + nbytes
+            metrics.TRANSFER_BYTES.labels("pe_to_de").inc(sum(sent.values()))
             metrics.PREFILL_LAYERS.observe((time.monotonic() - self.started) / self.conn.num_layers)
+            if self.spans is not None:
+                self._end_spans(sent)
 
-    async def _send(self, chunk: PrefillChunk, st: _PeSeq, layer: int) -> None:
+    def _end_spans(self, sent: dict[int, int]) -> None:
+        assert self.spans is not None
+        for (_, st), span in zip(self.items, self.spans, strict=True):
+            error = f"{st.error.code}: {st.error.message}" if st.error is not None else ""
+            telemetry.end_span(span, error=error, attributes={"bytes": sent.get(id(st), 0)})
+
+    async def _send(self, chunk: PrefillChunk, st: _PeSeq, layer: int) -> int:
         """Layer `layer` (or, for Basic, every layer) of the blocks this chunk touched -> DE buffer."""
         conn, de, bs = self.conn, st.task.de_buffer, self.conn.block_size
         if chunk.load_tokens:  # first chunk: the DE already holds the hits on the DE path
@@ -277,7 +294,7 @@ class _PrefillHook(LayerHook):
             first = chunk.start // bs
         end = -(-(chunk.start + chunk.num_tokens) // bs)
         if end <= first:
-            return
+            return 0
         ids = chunk.seq.block_ids[first:end]
         staged = conn.staged(st, end)[first:end]
         layers = [layer] if st.task.is_layerwise else range(conn.num_layers)
@@ -291,3 +308,17 @@ class _PrefillHook(LayerHook):
             ]
         peer = await conn.peers.get(de, timeout_s=conn.timeout_s)
         await peer.write_many(de.region, pieces, timeout_s=conn.timeout_s)
+        return len(pieces) * conn.layout.layer_block_bytes
+
+
+def _transfer_span(chunk: PrefillChunk, st: _PeSeq) -> object:
+    trace = chunk.seq.trace
+    attributes = {
+        "request_id": chunk.seq.request_id,
+        "path": "pe_to_de",
+        "peer": st.task.de_buffer.engine_id,
+        "is_layerwise": st.task.is_layerwise,
+        "start_token": chunk.start,
+        "num_tokens": chunk.num_tokens,
+    }
+    return telemetry.start_span("kv.transfer", parent=trace.parent if trace else None, attributes=attributes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.protocol import SamplingParams
 
@@ -37,6 +38,7 @@ class Sequence:
     num_preemptions: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     kv_plan: dict = field(default_factory=dict)  # the router's KV plan (stored prefix to load)
+    trace: Any = None  # services.engine.tracing.SeqTrace while tracing is on, else None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,6 +14,7 @@ from services.engine.connector import KvConnector
 from services.engine.core import EngineCore
 from services.engine.decode_connector import DecodeConnector as DecodeConnectorT
 from services.engine.prefill_connector import PrefillConnector as PrefillConnectorT
+from shared import logs, telemetry
 from shared.bus import MsgContext
 from shared.errors import KvpathError
 from shared.protocol import Abort, GenerateTask, LoadReport, ServiceInfo, TaskAck, TokenBatch
@@ -146,43 +147,78 @@ class EngineService(Service):
     async def _publish_tokens(self, router_id: str, batch: TokenBatch) -> None:
         await self.bus.publish(self.bus.subjects.tokens(router_id), batch)
 
+    # Task handlers run with the request id bound for logs and the router's trace context current, so the
+    # tasks they start (prefix fetch, DE-side read) log and trace as part of the request.
+
     async def _on_task(self, task: GenerateTask, ctx: MsgContext) -> TaskAck:
         assert self.core is not None
-        ack = self.core.submit(task)
+        parent = ctx.trace_parent
+        with logs.request_context(task.request_id), telemetry.attached(parent):
+            ack = self.core.submit(task, trace_parent=parent)
+            self._log_admission(task.request_id, len(task.prompt_token_ids), ack.accepted, ack.code)
         if ack.accepted:
             self.report_load_now()
         return ack
 
     async def _on_prefill_task(self, task: PrefillTask, ctx: MsgContext) -> TaskAck:
         assert self.core is not None and isinstance(self._connector, PrefillConnectorT)
-        try:
-            seq = self.core.admit(
-                task.request_id, task.router_id, task.prompt_token_ids, task.sampling, task.deadline_unix_s
-            )
-            seq.timings.update(task.timings)
-            self._connector.bind(seq, task)
-        except KvpathError as exc:
-            return TaskAck(request_id=task.request_id, accepted=False, code=exc.code, message=exc.message)
-        self.core.start(seq)
+        parent = ctx.trace_parent
+        with logs.request_context(task.request_id), telemetry.attached(parent):
+            try:
+                seq = self.core.admit(
+                    task.request_id,
+                    task.router_id,
+                    task.prompt_token_ids,
+                    task.sampling,
+                    task.deadline_unix_s,
+                    trace_parent=parent,
+                )
+                seq.timings.update(task.timings)
+                self._connector.bind(seq, task)
+            except KvpathError as exc:
+                self._log_admission(task.request_id, len(task.prompt_token_ids), False, exc.code)
+                return TaskAck(request_id=task.request_id, accepted=False, code=exc.code, message=exc.message)
+            self.core.start(seq)
+            self._log_admission(task.request_id, len(task.prompt_token_ids), True, "")
         self.report_load_now()
         return TaskAck(request_id=task.request_id, accepted=True)
 
     async def _on_decode_task(self, task: DecodeTask, ctx: MsgContext) -> DecodeAck:
         assert self.core is not None and isinstance(self._connector, DecodeConnectorT)
-        try:
-            seq = self.core.admit(
-                task.request_id, task.router_id, task.prompt_token_ids, task.sampling, task.deadline_unix_s
-            )
-            ref = self._connector.accept(seq, task)
-        except KvpathError as exc:
-            return DecodeAck(request_id=task.request_id, accepted=False, code=exc.code, message=exc.message)
-        self.core.start(seq)
+        parent = ctx.trace_parent
+        with logs.request_context(task.request_id), telemetry.attached(parent):
+            try:
+                seq = self.core.admit(
+                    task.request_id,
+                    task.router_id,
+                    task.prompt_token_ids,
+                    task.sampling,
+                    task.deadline_unix_s,
+                    trace_parent=parent,
+                )
+                ref = self._connector.accept(seq, task)
+            except KvpathError as exc:
+                self._log_admission(task.request_id, len(task.prompt_token_ids), False, exc.code)
+                return DecodeAck(
+                    request_id=task.request_id, accepted=False, code=exc.code, message=exc.message
+                )
+            self.core.start(seq)
+            self._log_admission(task.request_id, len(task.prompt_token_ids), True, "")
         self.report_load_now()
         return DecodeAck(request_id=task.request_id, accepted=True, buffer=ref)
 
+    def _log_admission(self, request_id: str, prompt_tokens: int, accepted: bool, code: str) -> None:
+        if accepted:
+            log.debug("task accepted request_id=%s prompt_tokens=%d", request_id, prompt_tokens)
+        else:
+            log.debug("task refused request_id=%s code=%s", request_id, code)
+
     async def _on_pull(self, msg: PullHits, ctx: MsgContext) -> PullHitsReply:
         assert isinstance(self._connector, DecodeConnectorT)
-        return await self._connector.serve_pull(msg)
+        with logs.request_context(msg.request_id), telemetry.span("kv.pull", parent=ctx.trace_parent) as span:
+            if span is not None:
+                span.set_attribute("request_id", msg.request_id)
+            return await self._connector.serve_pull(msg)
 
     async def _on_abort(self, msg: Abort, ctx: MsgContext) -> None:
         if self.core is not None:

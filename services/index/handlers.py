@@ -1,9 +1,15 @@
-"""Bus handlers of the index: match and stats (decoding and validation happen in the bus)."""
+"""Bus handlers of the index: match and stats (decoding and validation happen in the bus).
+
+A match runs in an `index.match` span continuing the caller's trace (the router's index lookup).
+"""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
+from services.index import metrics
+from shared import telemetry
 from shared.bus import MsgContext
 from shared.errors import InvalidRequestError
 from shared.protocol.kv import IndexMatchReply, IndexMatchRequest, IndexStats, IndexStatsRequest
@@ -19,6 +25,19 @@ class IndexHandlers:
         self.service = service
 
     async def match(self, msg: IndexMatchRequest, ctx: MsgContext) -> IndexMatchReply:
+        started = time.perf_counter()
+        with telemetry.span("index.match", parent=ctx.trace_parent) as span:
+            reply = self._match(msg)
+            if span is not None:
+                span.set_attributes(
+                    {"num_blocks": len(msg.block_hashes), "num_hit_blocks": reply.num_hit_blocks}
+                )
+        metrics.MATCH_SECONDS.observe(time.perf_counter() - started)
+        metrics.MATCH_BLOCKS.labels("hit").inc(reply.num_hit_blocks)
+        metrics.MATCH_BLOCKS.labels("miss").inc(len(msg.block_hashes) - reply.num_hit_blocks)
+        return reply
+
+    def _match(self, msg: IndexMatchRequest) -> IndexMatchReply:
         hashes = msg.block_hashes
         limit = self.service.config.max_match_blocks
         if len(hashes) > limit:

@@ -20,7 +20,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from services.index import snapshot
+from services.index import metrics, snapshot
 from services.index.config import IndexConfig
 from services.index.feed import EventFeed, FeedErrors, stream_seq_of
 from services.index.index import BlockIndex
@@ -48,6 +48,7 @@ class IndexService(Service):
         self._since_snapshot = 0
         self._stream = ""
         self._feed: EventFeed | None = None
+        metrics.bind_index(self)
 
     @property
     def feed(self) -> EventFeed:
@@ -133,6 +134,8 @@ class IndexService(Service):
                 await self.take_snapshot(purge=self.config.purge_after_snapshot)
 
     def _apply(self, msgs: list[Msg]) -> None:
+        applied, ignored = self.index.num_events_applied, self.index.num_events_ignored
+        malformed = self.num_malformed_events
         for msg in msgs:
             seq = stream_seq_of(msg)
             self._since_snapshot += 1
@@ -143,6 +146,9 @@ class IndexService(Service):
                 self.num_malformed_events += 1
                 self.index.applied_stream_seq = max(self.index.applied_stream_seq, seq)
                 log.warning("malformed KV event stream_seq=%d subject=%s: %s", seq, msg.subject, exc)
+        metrics.EVENTS_APPLIED.inc(self.index.num_events_applied - applied)
+        metrics.EVENTS_IGNORED.inc(self.index.num_events_ignored - ignored)
+        metrics.EVENTS_MALFORMED.inc(self.num_malformed_events - malformed)
 
     async def take_snapshot(self, *, purge: bool) -> int:
         """Write a snapshot (and purge the stream up to it); return the stream seq it covers (0: none)."""

@@ -35,6 +35,7 @@ from services.router.engines import EngineTable
 from services.router.placement import place
 from services.router.prompts import PreparedPrompt
 from services.router.streams import StreamTable
+from shared import telemetry
 from shared.bus import Bus
 from shared.errors import DeadlineExceededError, error_from_code
 from shared.protocol import Message, SamplingParams, TaskAck
@@ -212,20 +213,28 @@ class DisaggregatedDispatch:
         params = self.dispatcher.params
         hits = int(kv.get("num_hit_blocks", 0))
         started = time.monotonic()
-        placement = await self.dispatcher.place(
-            PendingRequest(
-                request_id=request_id,
-                prompt_tokens=len(prompt.token_ids),
-                hit_tokens=hits * params.block_size,
-                hbm_need_tokens=len(prompt.token_ids) + prompt.max_tokens,
-            ),
-            deadline,
-        )
+        # the placement wait is the `schedule` span; the task requests below carry the HTTP span instead
+        with telemetry.span("schedule") as span:
+            placement = await self.dispatcher.place(
+                PendingRequest(
+                    request_id=request_id,
+                    prompt_tokens=len(prompt.token_ids),
+                    hit_tokens=hits * params.block_size,
+                    hbm_need_tokens=len(prompt.token_ids) + prompt.max_tokens,
+                ),
+                deadline,
+            )
+            if span is not None:
+                span.set_attributes(_placement_attributes(params.policy, placement))
         placed = time.monotonic()
         metrics.TTFT_STAGE.labels("schedule").observe(placed - started)
         streams.assign(request_id, placement.de_id)
         streams.assign(request_id, placement.pe_id)
         read_side = placement.read_side.value if placement.read_side is not None else ""
+        log.debug(
+            "placed request_id=%s pe=%s de=%s read_side=%s",
+            request_id, placement.pe_id, placement.de_id, read_side or "none",
+        )  # fmt: skip
         common: dict[str, Any] = {
             "request_id": request_id,
             "router_id": self.router_id,
@@ -256,3 +265,13 @@ class DisaggregatedDispatch:
     async def _ask(self, engine_id: str, task: Message, reply: type[R], deadline: float) -> R:
         timeout = min(self.ack_timeout_s, max(0.01, deadline - time.monotonic()))
         return await self.bus.request(self.bus.subjects.task(engine_id), task, reply, timeout_s=timeout)
+
+
+def _placement_attributes(policy: str, placement: Placement) -> dict[str, Any]:
+    return {
+        "policy": policy,
+        "pe_id": placement.pe_id,
+        "de_id": placement.de_id,
+        "read_side": placement.read_side.value if placement.read_side is not None else "",
+        "read_node": placement.read_node if placement.read_node is not None else -1,
+    }

@@ -6,6 +6,7 @@ import logging
 
 from services.router import metrics
 from services.router.prompts import PreparedPrompt
+from shared import telemetry
 from shared.bus import Bus
 from shared.errors import KvpathError
 from shared.hashing import block_hashes
@@ -35,11 +36,21 @@ class KvPlanner:
         hashes = self.hashes(prompt.token_ids)
         if not hashes:
             return {}
-        try:
-            result = await self.index.match(hashes, timeout_s=self.timeout_s)
-        except KvpathError as exc:
-            metrics.INDEX_LOOKUPS.labels("error").inc()
-            log.warning("index lookup failed request_id=%s: %s", request_id, exc.message)
-            return {}
+        with telemetry.span("index.lookup") as span:
+            try:
+                result = await self.index.match(hashes, timeout_s=self.timeout_s)
+            except KvpathError as exc:
+                metrics.INDEX_LOOKUPS.labels("error").inc()
+                log.warning("index lookup failed request_id=%s: %s", request_id, exc.message)
+                if span is not None:
+                    span.set_attributes({"outcome": "error", "error.code": exc.code})
+                return {}
+            if span is not None:
+                span.set_attributes(
+                    {"num_prompt_blocks": len(hashes), "num_hit_blocks": result.num_hit_blocks}
+                )
         metrics.INDEX_LOOKUPS.labels("hit" if result.num_hit_blocks else "miss").inc()
+        log.debug(
+            "index lookup request_id=%s hit_blocks=%d/%d", request_id, result.num_hit_blocks, len(hashes)
+        )
         return {"num_hit_blocks": result.num_hit_blocks, "num_prompt_blocks": len(hashes)}

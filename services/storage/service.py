@@ -140,6 +140,7 @@ class StorageService(Service):
             announce_stored=self.announce_stored,
             announce_removed=self.announce_removed,
         )
+        metrics.bind_queues(self._reader, self._writer)
 
     def _adopt_files(self) -> list[tuple[int, int]]:
         """Rebuild the LRU catalog from the files under root (own files only on a shared root)."""
