@@ -302,6 +302,7 @@ def span_record(s: Any) -> dict[str, Any]:
     return {
         "name": s.name,
         "service": s.resource.attributes.get("service.name", ""),
+        "instance": s.resource.attributes.get("service.instance.id", ""),
         "trace_id": f"{ctx.trace_id:032x}",
         "span_id": f"{ctx.span_id:016x}",
         "parent_id": f"{s.parent.span_id:016x}" if s.parent is not None else "",

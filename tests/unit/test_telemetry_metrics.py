@@ -57,7 +57,9 @@ def test_every_registered_metric_is_documented_and_every_documented_one_exists()
     documented = documented_metrics()
     registered = registered_metrics()
     assert sorted(registered.keys() - documented.keys()) == [], "metrics missing from docs/metrics.md"
-    assert sorted(documented.keys() - registered.keys()) == [], "docs/metrics.md names metrics no code registers"
+    assert sorted(documented.keys() - registered.keys()) == [], (
+        "docs/metrics.md names metrics no code registers"
+    )
 
 
 def test_documented_section_type_and_labels_match_the_code() -> None:
@@ -84,6 +86,8 @@ def test_doc_parser_reads_sections_types_and_labels(tmp_path: Path) -> None:
         "| `kvpath_index_y` | gauge | | y |\n"
     )
     assert documented_metrics(doc) == {
-        "kvpath_router_x_total": DocumentedMetric("kvpath_router_x_total", "router", "counter", frozenset("ab")),
+        "kvpath_router_x_total": DocumentedMetric(
+            "kvpath_router_x_total", "router", "counter", frozenset("ab")
+        ),
         "kvpath_index_y": DocumentedMetric("kvpath_index_y", "index", "gauge", frozenset()),
     }
