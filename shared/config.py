@@ -46,6 +46,7 @@ class BaseConfig:
     node: int = doc(0, "node number: engines of one node share its DRAM buffer and storage service")
     http_host: str = doc("127.0.0.1", "bind address of the service's HTTP endpoint (health, metrics)")
     http_port: int = doc(0, "port of the service's HTTP endpoint; 0 picks a free one")
+    http_backlog: int = doc(1024, "listen backlog of the HTTP endpoint (many clients connecting at once)")
     advertise_host: str = doc(
         "",
         "host name peers use to reach this service; default: http_host, or this "

@@ -229,7 +229,13 @@ class Service:
             app, access_log=None, handle_signals=False, handler_cancellation=self.http_handler_cancellation
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.http_host, self.config.http_port, reuse_address=True)
+        site = web.TCPSite(
+            self._runner,
+            self.config.http_host,
+            self.config.http_port,
+            reuse_address=True,
+            backlog=self.config.http_backlog,
+        )
         await site.start()
         port = self.config.http_port
         server = getattr(site, "_server", None)

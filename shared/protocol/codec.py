@@ -29,12 +29,36 @@ class Message:
 
     KIND: ClassVar[str] = ""
     VERSION: ClassVar[int] = PROTOCOL_VERSION
+    # high-volume kinds leave fields at their defaults off the wire (decode fills them back in)
+    OMIT_DEFAULTS: ClassVar[bool] = False
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.KIND, "v": self.VERSION}
-        for f in dataclasses.fields(self):
-            out[f.name] = _to_plain(getattr(self, f.name))
+        for f, default in _defaults(type(self)):
+            value = getattr(self, f)
+            if default is _REQUIRED or not self.OMIT_DEFAULTS or value != default:
+                out[f] = _to_plain(value)
         return out
+
+
+_REQUIRED = object()
+_DEFAULTS: dict[type, list[tuple[str, Any]]] = {}
+
+
+def _defaults(cls: type) -> list[tuple[str, Any]]:
+    """(field name, default value or _REQUIRED) per field, cached per class."""
+    spec = _DEFAULTS.get(cls)
+    if spec is None:
+        spec = []
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                spec.append((f.name, f.default))
+            elif f.default_factory is not dataclasses.MISSING:
+                spec.append((f.name, f.default_factory()))
+            else:
+                spec.append((f.name, _REQUIRED))
+        _DEFAULTS[cls] = spec
+    return spec
 
 
 def _to_plain(value: Any) -> Any:

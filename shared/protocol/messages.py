@@ -118,6 +118,7 @@ class TokenDelta(Message):
     """New tokens of one request in one engine step. `seq` counts deltas of the request from 0."""
 
     KIND = "token_delta"
+    OMIT_DEFAULTS = True
     request_id: str
     seq: int
     token_ids: list[int]
