@@ -37,7 +37,7 @@ from services.router.prompts import PreparedPrompt
 from services.router.streams import StreamTable
 from shared import telemetry
 from shared.bus import Bus
-from shared.errors import DeadlineExceededError, error_from_code
+from shared.errors import DeadlineExceededError, NoEngineAvailableError, error_from_code
 from shared.protocol import Message, SamplingParams, TaskAck
 from shared.protocol.disagg import DecodeAck, DecodeTask, PrefillTask
 
@@ -104,7 +104,11 @@ class Dispatcher:
         if not waiting:
             return 0
         snapshot = self.snapshot(tuple(w.request for w in waiting))
-        if not snapshot.engines:
+        missing = self.missing_roles(snapshot)
+        if missing:  # nothing can place them: fail fast (503) instead of waiting for the deadline
+            error = NoEngineAvailableError(f"no live {' or '.join(missing)} engine")
+            for w in waiting:
+                w.future.set_exception(error)
             return 0
         result = place(self.params.policy, snapshot, self.thresholds(snapshot), self.rr_state)
         self.rr_state = result.rr_state
@@ -117,6 +121,11 @@ class Dispatcher:
             self._note(placement, waiter.request)
             waiter.future.set_result(placement)
         return len(result.placements)
+
+    @staticmethod
+    def missing_roles(snapshot: ClusterSnapshot) -> list[str]:
+        roles = {e.role for e in snapshot.engines if not e.is_draining}
+        return [role for role in (ROLE_PREFILL, ROLE_DECODE) if role not in roles]
 
     def _forced(self, placement: Placement, snapshot: ClusterSnapshot) -> Placement:
         side = self.params.force_read_side

@@ -18,9 +18,10 @@ pytestmark = pytest.mark.slow
 ROUTER_ARGS = ("--http-port", "0", "--engine-silence-timeout-s", "1.0")
 
 
-async def test_no_engine_is_503_with_retry_after(stack: tuple[Stack, Bus]) -> None:
+@pytest.mark.parametrize("policy", ["colocated", "dualpath"])
+async def test_no_engine_is_503_with_retry_after(stack: tuple[Stack, Bus], policy: str) -> None:
     s, bus = stack
-    s.start("router", "router-0", *ROUTER_ARGS, "--no-use-kv-cache")
+    s.start("router", "router-0", *ROUTER_ARGS, "--no-use-kv-cache", "--policy", policy)
     ready = await wait_ready(bus, {"router-0"}, s.procs)
     url = ready["router-0"].http_url
     async with aiohttp.ClientSession() as http:
