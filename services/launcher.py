@@ -32,6 +32,7 @@ from shared.bus import Bus, Registry
 from shared.errors import KvpathError, ServiceUnavailableError
 from shared.logs import setup_logging
 from shared.natsserver import NatsServer
+from shared.shm import remove_segments
 from shared.protocol import ServiceInfo
 
 log = logging.getLogger("kvpath.up")
@@ -262,6 +263,7 @@ class LocalCluster:
                 child.proc.wait(5)
         if self.nats is not None:
             self.nats.stop()
+        remove_segments(f"kvpath-{self.namespace}-")  # node buffers of services that had to be killed
 
 
 async def _all_healthy(http: aiohttp.ClientSession, services: list[ServiceInfo], num_engines: int) -> bool:

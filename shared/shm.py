@@ -86,3 +86,15 @@ class ShmSegment:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def remove_segments(prefix: str) -> int:
+    """Unlink every segment whose name starts with `prefix` (e.g. a stopped cluster's namespace), so
+    segments of processes that were killed do not outlive them. Returns how many were removed."""
+    check_token(prefix.rstrip("-") or "x", "segment prefix")
+    removed = 0
+    for path in _SHM_DIR.glob(f"{prefix}*"):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed += 1
+    return removed

@@ -15,6 +15,7 @@ from services.up_process import UpProcess
 from shared.bus import Bus, Registry
 from shared.natsserver import NatsServer
 from shared.protocol import ServiceInfo
+from shared.shm import remove_segments
 
 __all__ = ["ServiceProcess", "Stack", "UpProcess", "router_sees", "wait_ready"]
 
@@ -106,3 +107,4 @@ class Stack:
     def stop(self) -> None:
         for p in reversed(self.procs):
             p.stop()
+        remove_segments(f"kvpath-{self.namespace}-")  # those of processes a test killed

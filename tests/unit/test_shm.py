@@ -7,7 +7,7 @@ import uuid
 import numpy as np
 import pytest
 
-from shared.shm import ShmSegment, segment_path
+from shared.shm import ShmSegment, remove_segments, segment_path
 
 
 def test_two_mappings_share_bytes() -> None:
@@ -33,3 +33,16 @@ def test_bad_names_and_sizes() -> None:
         ShmSegment.create("kvpath-zero", 0)
     with pytest.raises(FileNotFoundError):
         ShmSegment.attach("kvpath-missing-" + uuid.uuid4().hex[:8])
+
+
+def test_remove_segments_by_prefix() -> None:
+    prefix = "kvpath-rm" + uuid.uuid4().hex[:6] + "-"
+    segments = [ShmSegment.create(prefix + name, 64) for name in ("a", "b")]
+    other = ShmSegment.create("kvpath-keep-" + uuid.uuid4().hex[:6], 64)
+    try:
+        assert remove_segments(prefix) == 2
+        assert not any(segment_path(s.name).exists() for s in segments)
+        assert segment_path(other.name).exists()
+    finally:
+        for s in (*segments, other):
+            s.close()
