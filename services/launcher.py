@@ -32,8 +32,8 @@ from shared.bus import Bus, Registry
 from shared.errors import KvpathError, ServiceUnavailableError
 from shared.logs import setup_logging
 from shared.natsserver import NatsServer
-from shared.shm import remove_segments
 from shared.protocol import ServiceInfo
+from shared.shm import remove_segments
 
 log = logging.getLogger("kvpath.up")
 
