@@ -54,16 +54,19 @@ async def test_cuda_matches_cpu(name: str, cache_dir: str) -> None:
         reference = await prefill_all(cpu, ids)
     finally:
         cpu.close()
-    for dtype, tolerance in (("float32", 1e-3), ("bfloat16", 0.25)):
+    for dtype in ("float32", "bfloat16"):
         runner = load(name, cache_dir, "cuda", dtype)
         try:
             logits = await prefill_all(runner, ids)
         finally:
             runner.close()
         assert logits.device.type == "cpu" and logits.dtype == torch.float32
-        assert (logits - reference).abs().max().item() < tolerance
-        agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
-        assert agree > 0.9
+        error = (logits - reference).abs()
+        if dtype == "float32":
+            assert error.max().item() < 1e-3
+        else:  # bf16 keeps ~3 digits: judge the distribution, not the worst logit (MoE routing may flip)
+            assert error.mean().item() < 0.05
+            assert (logits.argmax(-1) == reference.argmax(-1)).float().mean().item() > 0.9
 
 
 def _full_blocks(runner: ModelRunner, block_ids: list[int]) -> np.ndarray:
