@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from gpu.model_spec import dtype_bytes
-from shared.errors import OverloadedError
+from shared.errors import ConfigError, OverloadedError
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,7 +28,7 @@ class PagedKVCache:
         self, *, num_blocks: int, num_layers: int, block_size: int, kv_dim: int, dtype: str, device: str
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be > 0")
+            raise ConfigError(f"num_blocks={num_blocks} and block_size={block_size} must be > 0")
         self.num_blocks = num_blocks
         self.num_layers = num_layers
         self.block_size = block_size

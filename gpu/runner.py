@@ -111,6 +111,7 @@ class ModelRunner:
         model_dir = resolve_model(name_or_dir, cache_dir)
         arch = load_arch_config(model_dir)
         spec = spec_from_arch(served_name(name_or_dir), model_dir, arch)
+        tokenizer = load_tokenizer(model_dir)  # before the weights: fail fast on a folder without one
         model = Transformer.load(model_dir, arch, device=device, dtype=TORCH_DTYPES[dtype])
         full_block_bytes = arch.num_layers * block_size * spec.kv_bytes_per_token_layer(dtype)
         num_blocks = num_kv_blocks or _default_num_blocks(device, kv_cache_bytes, full_block_bytes)
@@ -123,7 +124,7 @@ class ModelRunner:
             device=device,
         )
         log.info("loaded model=%s device=%s dtype=%s kv_blocks=%d", spec.name, device, dtype, num_blocks)
-        return cls(spec, arch, model, kv, load_tokenizer(model_dir))
+        return cls(spec, arch, model, kv, tokenizer)
 
     # ------------------------------------------------------------------------------------------ prefill
 
