@@ -20,7 +20,7 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _runner(name: str, cache: str) -> Iterator[ModelRunner]:
-    runner = ModelRunner.load(name, cache_dir=cache, num_kv_blocks=96, num_threads=1)
+    runner = ModelRunner.load(name, cache_dir=cache, num_kv_blocks=96)
     yield runner
     runner.close()
 
