@@ -229,12 +229,14 @@ def extract_context(headers: Mapping[str, str] | None) -> otel_context.Context |
 
 _HTTP_SPAN = web.RequestKey("kvpath_http_span", object)
 _STREAM_SPAN = web.RequestKey("kvpath_stream_span", object)
+UNTRACED_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: no trace each
 
 
 def install_http_tracing(app: web.Application) -> bool:
     """While tracing is on: a SERVER span per HTTP request (continuing a client's `traceparent`), and
     for streamed responses a `stream` span from the first byte (headers sent) to the last. Call before
-    the app starts; returns whether anything was installed (nothing at all while tracing is off)."""
+    the app starts; returns whether anything was installed (nothing at all while tracing is off).
+    Requests for `UNTRACED_PATHS` pass through untraced."""
     if not _enabled:
         return False
     app.middlewares.append(_http_span_middleware)
@@ -244,6 +246,8 @@ def install_http_tracing(app: web.Application) -> bool:
 
 @web.middleware
 async def _http_span_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    if request.path in UNTRACED_PATHS:
+        return await handler(request)  # type: ignore[no-any-return]
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else request.path
     attributes = {"http.request.method": request.method, "http.route": route, "url.path": request.path}

@@ -171,6 +171,9 @@ async def test_metrics_of_every_service_parse_and_carry_the_documented_names(
         assert sorted(expected - exposed) == [], name
         seen.add(kind)
     assert seen == set(kinds.values())
+    # scrapes and health probes (wait_ready polls /health) make no traces
+    paths = {s["attributes"].get("url.path") for s in telemetry.read_span_files(colocated.trace_dir)}
+    assert not paths & {"/health", "/metrics"}, paths
 
 
 def json_lines(path: Path) -> list[dict[str, Any]]:

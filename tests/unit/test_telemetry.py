@@ -144,6 +144,7 @@ async def http_app(spans: InMemorySpanExporter) -> AsyncIterator[str]:
     assert telemetry.install_http_tracing(app)
     app.router.add_post("/s", streamed)
     app.router.add_get("/p/{name}", plain)
+    app.router.add_get("/health", plain)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -163,6 +164,8 @@ async def test_http_requests_get_a_server_span_and_streams_a_stream_span(
             assert await resp.read() == b"a"
         async with http.get(f"{http_app}/p/x") as resp:
             assert resp.status == 503
+        async with http.get(f"{http_app}/health") as resp:
+            assert resp.status == 503  # served, not traced
     finished = spans.get_finished_spans()
     server = {s.name: s for s in finished if s.kind.name == "SERVER"}
     assert set(server) == {"POST /s", "GET /p/{name}"}
