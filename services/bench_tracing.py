@@ -1,11 +1,14 @@
 """`kvpath bench tracing` / `python -m services.bench_tracing`: serving throughput, tracing on vs off.
 
-Two local clusters (`kvpath up`, every service its own process) run side by side for the whole benchmark: one
-with tracing off, one with `OTEL_EXPORTER_OTLP_ENDPOINT` pointing at an OTLP/HTTP sink this process serves
-(it decodes every export request and counts the spans, as a collector would, then answers like one). Each
-repetition runs `kvpath bench serve` against both, in alternating order so that drift on a shared machine
-hits both alike, and the report gives per-repetition numbers and medians: output tokens/s, requests/s, TTFT.
-Issue 7's target: at most 5% throughput lost with tracing on.
+Two local clusters (`kvpath up`, every service its own process) run side by side: one with tracing off, one
+with `OTEL_EXPORTER_OTLP_ENDPOINT` pointing at an OTLP/HTTP sink this process serves (it decodes every export
+request and counts the spans, as a collector would, then answers like one). Each repetition runs `kvpath bench
+serve` against both, in alternating order so that drift on a shared machine hits both alike. Two clusters on
+one machine are not identical (an A/A run, `--aa`, shows the second one started running a few percent faster),
+so the pair is restarted for every block with the start order swapped. The report gives every run and the
+medians: output tokens/s, requests/s, TTFT, and the CPU time the cluster's processes (every service and its
+nats-server; not the client, not the sink) spent per request, which a busy shared machine disturbs far less
+than throughput. Issue 7's target: at most 5% throughput lost with tracing on.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import psutil
 from aiohttp import web
 
 from services.up_process import UpProcess
@@ -40,7 +44,9 @@ def register_bench(subparsers: Any) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--repeats", type=int, default=5, help="bench serve runs per mode")
+    p.add_argument("--blocks", type=int, default=2, help="cluster pairs started (start order swapped)")
+    p.add_argument("--repeats", type=int, default=3, help="bench serve runs per mode and block")
+    p.add_argument("--aa", action="store_true", help="calibration: neither cluster traces (noise floor)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (bench serve)")
     p.add_argument("--requests", type=int, default=48, help="requests per run (bench serve)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt tokens per request")
@@ -117,12 +123,15 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[key] = old
 
 
-def start_clusters(tmp: Path, sink_url: str, up_args: list[str]) -> dict[str, UpProcess]:
+def start_clusters(
+    tmp: Path, sink_url: str, up_args: list[str], order: tuple[str, ...]
+) -> dict[str, UpProcess]:
+    """One cluster per mode, started in `order`; the `on` one exports to `sink_url` ("": no tracing)."""
     clusters: dict[str, UpProcess] = {}
     try:
-        for mode in MODES:
+        for mode in order:
             endpoint = sink_url if mode == "on" else ""
-            (tmp / mode).mkdir()
+            (tmp / mode).mkdir(parents=True)
             with _env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, KVPATH_TRACE_DIR=""):
                 clusters[mode] = UpProcess(tmp / mode, *up_args)
     except BaseException:
@@ -163,23 +172,65 @@ async def bench_serve(
     return out
 
 
+async def run_block(
+    block: int, args: argparse.Namespace, sink_url: str, tmp: Path, runs: dict[str, list[dict]]
+) -> None:
+    """Start a cluster pair (odd blocks: the tracing one first), measure, stop it."""
+    order = MODES if block % 2 == 0 else MODES[::-1]
+    up_args = [part for flag in args.up_arg for part in flag.split()]
+    endpoint = "" if args.aa else sink_url
+    clusters = await asyncio.to_thread(start_clusters, tmp / f"block{block}", endpoint, up_args, order)
+    try:
+        await measure(block, clusters, args, tmp / f"block{block}", runs)
+    finally:
+        for up in clusters.values():  # on SIGINT the services flush their last spans to the sink
+            await asyncio.to_thread(up.stop)
+
+
 async def measure(
-    clusters: dict[str, UpProcess], args: argparse.Namespace, tmp: Path
-) -> dict[str, list[dict]]:
+    block: int,
+    clusters: dict[str, UpProcess],
+    args: argparse.Namespace,
+    tmp: Path,
+    runs: dict[str, list[dict]],
+) -> None:
     for mode, up in clusters.items():  # warm-up: model caches, connections, the first stored prefixes
         await bench_serve(up.url, args, tmp / f"warm-{mode}.json", max(2, args.concurrency))
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    trees = {mode: _process_tree(up.proc.pid) for mode, up in clusters.items()}
     for rep in range(args.repeats):
         order = MODES if rep % 2 == 0 else MODES[::-1]
         for mode in order:
+            cpu_before = _cpu_by_kind(trees[mode])
             out = await bench_serve(clusters[mode].url, args, tmp / f"{mode}-{rep}.json", args.requests)
-            runs[mode].append(_row(out))
+            cpu_after = _cpu_by_kind(trees[mode])
+            row = _row(out)
+            for kind, seconds in cpu_after.items():
+                row[f"cpu_{kind}_ms"] = 1e3 * (seconds - cpu_before.get(kind, 0.0)) / args.requests
+            row["cpu_ms_per_request"] = sum(v for k, v in row.items() if k.startswith("cpu_"))
+            runs[mode].append(row)
             print(
-                f"  rep {rep} tracing {mode:<3}: {out['output_tokens_per_s']:8.1f} tokens/s  "
-                f"{out['requests_per_s']:6.2f} req/s  TTFT p50 {out['ttft_ms']['p50']:7.1f} ms",
+                f"  block {block} rep {rep} tracing {mode:<3}: {row['output_tokens_per_s']:8.1f} tokens/s  "
+                f"{row['requests_per_s']:6.2f} req/s  TTFT p50 {row['ttft_p50_ms']:7.1f} ms  "
+                f"cluster CPU {row['cpu_ms_per_request']:6.1f} ms/request",
                 flush=True,
             )
-    return runs
+
+
+def _process_tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _cpu_by_kind(procs: list[psutil.Process]) -> dict[str, float]:
+    """CPU seconds (user + system) by process kind: router, engine, storage, index, nats, up."""
+    out: dict[str, float] = {}
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            cmd = proc.cmdline()
+            kind = cmd[cmd.index("serve") + 1] if "serve" in cmd[:-1] else ("up" if "up" in cmd else "nats")
+            times = proc.cpu_times()
+            out[kind] = out.get(kind, 0.0) + times.user + times.system
+    return out
 
 
 def _row(out: dict[str, Any]) -> dict[str, float]:
@@ -199,12 +250,13 @@ def summarize(runs: dict[str, list[dict]], sink: OtlpSink, args: argparse.Namesp
     off, on = medians["off"]["output_tokens_per_s"], medians["on"]["output_tokens_per_s"]
     loss = (off - on) / off if off > 0 else 0.0
     # each repetition ran both modes back to back: the loss within a pair is free of slower drift
+    cpu_off, cpu_on = medians["off"]["cpu_ms_per_request"], medians["on"]["cpu_ms_per_request"]
     paired = [
         (a["output_tokens_per_s"] - b["output_tokens_per_s"]) / a["output_tokens_per_s"]
         for a, b in zip(runs["off"], runs["on"], strict=True)
         if a["output_tokens_per_s"] > 0
     ]
-    num_traced = (args.repeats * args.requests) + max(2, args.concurrency)
+    num_traced = args.blocks * (args.repeats * args.requests + max(2, args.concurrency))
     return {
         "config": {k: v for k, v in vars(args).items() if k != "func"},
         "runs": runs,
@@ -212,6 +264,7 @@ def summarize(runs: dict[str, list[dict]], sink: OtlpSink, args: argparse.Namesp
         "throughput_loss": loss,
         "paired_losses": paired,
         "paired_loss_median": statistics.median(paired) if paired else 0.0,
+        "cpu_overhead": (cpu_on - cpu_off) / cpu_off if cpu_off > 0 else 0.0,
         "meets_target": loss <= TARGET_LOSS,
         "sink": {
             "exports": sink.num_exports,
@@ -225,13 +278,16 @@ def summarize(runs: dict[str, list[dict]], sink: OtlpSink, args: argparse.Namesp
 
 def format_summary(result: dict[str, Any]) -> str:
     med, sink = result["medians"], result["sink"]
-    lines = [f"bench tracing: medians of {result['config']['repeats']} runs per mode"]
+    config = result["config"]
+    runs_per_mode = config["blocks"] * config["repeats"]
+    calibration = " (A/A calibration: neither cluster traces)" if config["aa"] else ""
+    lines = [f"bench tracing: medians of {runs_per_mode} runs per mode{calibration}"]
     for mode in MODES:
         m = med[mode]
         lines.append(
             f"  tracing {mode:<3}: {m['output_tokens_per_s']:8.1f} tokens/s  "
             f"{m['requests_per_s']:6.2f} req/s  TTFT p50 {m['ttft_p50_ms']:7.1f} ms  "
-            f"ITL p50 {m['itl_p50_ms']:6.2f} ms"
+            f"ITL p50 {m['itl_p50_ms']:6.2f} ms  cluster CPU {m['cpu_ms_per_request']:6.1f} ms/request"
         )
     verdict = "within" if result["meets_target"] else "above"
     lines.append(
@@ -239,6 +295,10 @@ def format_summary(result: dict[str, Any]) -> str:
         f"({verdict} the {100 * TARGET_LOSS:.0f}% target); median of the per-repetition losses "
         f"{100 * result['paired_loss_median']:.1f}%"
     )
+    lines.append(f"  cluster CPU per request with tracing on: {100 * result['cpu_overhead']:+.1f}%")
+    kinds = sorted(k[4:-3] for k in med["off"] if k.startswith("cpu_") and k.endswith("_ms"))
+    by_kind = ", ".join(f"{k} {med['off'][f'cpu_{k}_ms']:.1f}->{med['on'][f'cpu_{k}_ms']:.1f}" for k in kinds)
+    lines.append(f"  CPU ms/request by process, off->on (medians): {by_kind}")
     lines.append(
         f"  OTLP sink: {sink['spans']} spans in {sink['exports']} exports ({sink['bytes'] / 1e6:.1f} MB), "
         f"{sink['spans_per_request']:.1f} spans per request"
@@ -250,23 +310,19 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     sink = OtlpSink()
     await sink.start()
     tmp = Path(tempfile.mkdtemp(prefix="kvpath-bench-tracing-"))
-    clusters: dict[str, UpProcess] = {}
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     try:
-        clusters = await asyncio.to_thread(
-            start_clusters, tmp, sink.url, [p for a in args.up_arg for p in a.split()]
-        )
-        runs = await measure(clusters, args, tmp)
+        for block in range(args.blocks):
+            await run_block(block, args, sink.url, tmp, runs)
     finally:
-        for up in clusters.values():  # on SIGINT the services flush their last spans to the sink
-            await asyncio.to_thread(up.stop)
         await sink.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return summarize(runs, sink, args)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.repeats < 1 or args.requests < 1 or args.concurrency < 1:
-        print("kvpath bench tracing: repeats, requests and concurrency must be >= 1", file=sys.stderr)
+    if min(args.blocks, args.repeats, args.requests, args.concurrency) < 1:
+        print("kvpath bench tracing: blocks, repeats, requests and concurrency must be >= 1", file=sys.stderr)
         return 2
     try:
         result = asyncio.run(_run(args))

@@ -40,13 +40,13 @@ async def test_sink_counts_spans_from_the_otlp_exporter(monkeypatch: pytest.Monk
 def test_summary_medians_and_losses() -> None:
     parser = argparse.ArgumentParser()
     add_args(parser)
-    args = parser.parse_args(["--repeats", "3", "--requests", "10", "--concurrency", "2"])
+    args = parser.parse_args(["--blocks", "1", "--repeats", "3", "--requests", "10", "--concurrency", "2"])
 
-    def row(tps: float) -> dict[str, float]:
+    def row(tps: float, cpu_ms: float = 10.0) -> dict[str, float]:
         return {"output_tokens_per_s": tps, "requests_per_s": tps / 64, "ttft_p50_ms": 100.0,
-                "itl_p50_ms": 5.0, "num_failed": 0.0}  # fmt: skip
+                "itl_p50_ms": 5.0, "num_failed": 0.0, "cpu_ms_per_request": cpu_ms}  # fmt: skip
 
-    runs = {"off": [row(100), row(200), row(110)], "on": [row(99), row(150), row(110)]}
+    runs = {"off": [row(100), row(200), row(110)], "on": [row(99, 9), row(150, 11), row(110, 11)]}
     sink = OtlpSink(num_exports=2, num_spans=320, num_bytes=1000)
     result = summarize(runs, sink, args)
     assert result["medians"]["off"]["output_tokens_per_s"] == 110
@@ -54,6 +54,8 @@ def test_summary_medians_and_losses() -> None:
     assert result["throughput_loss"] == 0.0 and result["meets_target"]
     assert result["paired_losses"] == pytest.approx([0.01, 0.25, 0.0])
     assert result["paired_loss_median"] == pytest.approx(0.01)
+    assert result["cpu_overhead"] == pytest.approx(0.1)
     assert result["sink"]["spans_per_request"] == 320 / (3 * 10 + 2)
     text = format_summary(result)
     assert "0.0% (within the 5% target)" in text and "median of the per-repetition losses 1.0%" in text
+    assert "cluster CPU per request with tracing on: +10.0%" in text
