@@ -27,6 +27,7 @@ _BENCH_MODULES: tuple[str, ...] = (
     "services.index.bench",
     "services.router.bench",
     "services.bench_dualpath",
+    "services.bench_tracing",
 )
 # `kvpath serve <name>` runs `<module>.main(argv)`
 SERVICE_MODULES = {

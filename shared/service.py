@@ -137,7 +137,7 @@ class Service:
         if self._started:
             return
         self._started = True
-        telemetry.setup_tracing(f"kvpath-{self.service_kind}")
+        telemetry.setup_tracing(f"kvpath-{self.service_kind}", service_instance=self.service_id)
         await self.bus.connect(timeout_s=max(5.0, self.config.request_timeout_s))
         await self.registry.open()
         await self._start_http()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from services.engine import metrics
@@ -14,6 +15,7 @@ from services.engine.connector import KvConnector
 from services.engine.core import EngineCore
 from services.engine.decode_connector import DecodeConnector as DecodeConnectorT
 from services.engine.prefill_connector import PrefillConnector as PrefillConnectorT
+from services.engine.sequence import Sequence
 from shared import logs, telemetry
 from shared.bus import MsgContext
 from shared.errors import KvpathError
@@ -161,30 +163,35 @@ class EngineService(Service):
         return ack
 
     async def _on_prefill_task(self, task: PrefillTask, ctx: MsgContext) -> TaskAck:
-        assert self.core is not None and isinstance(self._connector, PrefillConnectorT)
-        parent = ctx.trace_parent
-        with logs.request_context(task.request_id), telemetry.attached(parent):
-            try:
-                seq = self.core.admit(
-                    task.request_id,
-                    task.router_id,
-                    task.prompt_token_ids,
-                    task.sampling,
-                    task.deadline_unix_s,
-                    trace_parent=parent,
-                )
-                seq.timings.update(task.timings)
-                self._connector.bind(seq, task)
-            except KvpathError as exc:
-                self._log_admission(task.request_id, len(task.prompt_token_ids), False, exc.code)
-                return TaskAck(request_id=task.request_id, accepted=False, code=exc.code, message=exc.message)
-            self.core.start(seq)
-            self._log_admission(task.request_id, len(task.prompt_token_ids), True, "")
-        self.report_load_now()
+        assert isinstance(self._connector, PrefillConnectorT)
+        connector = self._connector
+
+        def bind(seq: Sequence) -> None:
+            seq.timings.update(task.timings)
+            connector.bind(seq, task)
+
+        refusal = self._take(task, ctx, bind)
+        if refusal is not None:
+            return TaskAck(
+                request_id=task.request_id, accepted=False, code=refusal.code, message=refusal.message
+            )
         return TaskAck(request_id=task.request_id, accepted=True)
 
     async def _on_decode_task(self, task: DecodeTask, ctx: MsgContext) -> DecodeAck:
-        assert self.core is not None and isinstance(self._connector, DecodeConnectorT)
+        assert isinstance(self._connector, DecodeConnectorT)
+        connector, refs = self._connector, []
+        refusal = self._take(task, ctx, lambda seq: refs.append(connector.accept(seq, task)))
+        if refusal is not None:
+            return DecodeAck(
+                request_id=task.request_id, accepted=False, code=refusal.code, message=refusal.message
+            )
+        return DecodeAck(request_id=task.request_id, accepted=True, buffer=refs[0])
+
+    def _take(
+        self, task: PrefillTask | DecodeTask, ctx: MsgContext, bind: Callable[[Sequence], None]
+    ) -> KvpathError | None:
+        """Admit a prefill/decode task, let the connector bind it, start it; the refusal, if any."""
+        assert self.core is not None
         parent = ctx.trace_parent
         with logs.request_context(task.request_id), telemetry.attached(parent):
             try:
@@ -196,16 +203,14 @@ class EngineService(Service):
                     task.deadline_unix_s,
                     trace_parent=parent,
                 )
-                ref = self._connector.accept(seq, task)
+                bind(seq)
             except KvpathError as exc:
                 self._log_admission(task.request_id, len(task.prompt_token_ids), False, exc.code)
-                return DecodeAck(
-                    request_id=task.request_id, accepted=False, code=exc.code, message=exc.message
-                )
+                return exc
             self.core.start(seq)
             self._log_admission(task.request_id, len(task.prompt_token_ids), True, "")
         self.report_load_now()
-        return DecodeAck(request_id=task.request_id, accepted=True, buffer=ref)
+        return None
 
     def _log_admission(self, request_id: str, prompt_tokens: int, accepted: bool, code: str) -> None:
         if accepted:

@@ -22,6 +22,7 @@ from services.router.policy import EngineLoad, pick_least_loaded
 from services.router.prompts import PreparedPrompt
 from services.router.stops import StopMatcher
 from services.router.streams import RequestStream, StreamTable
+from shared import logs, telemetry
 from shared.bus import Bus
 from shared.errors import (
     DeadlineExceededError,
@@ -37,7 +38,8 @@ from shared.protocol import Abort, GenerateTask, LoadReport, SamplingParams, Tas
 log = logging.getLogger(__name__)
 
 MAX_DISPATCH_ATTEMPTS = 3
-REORDER_WINDOW_S = 2.0  # a delta may overtake its predecessor this long (PE -> DE hand-off)
+REORDER_WINDOW_S = 2.0
+_COLOCATED = {"policy": "colocated"}  # a delta may overtake its predecessor this long (PE -> DE hand-off)
 
 
 @dataclass(slots=True)
@@ -124,6 +126,19 @@ class RouterCore:
         return out
 
     async def _dispatch(self, task: GenerateTask, deadline: float) -> str:
+        """The colocated `schedule` stage as a span (not made current: engine spans stay its siblings)."""
+        span = telemetry.start_span("schedule", attributes=_COLOCATED)  # None while tracing is off
+        try:
+            engine_id = await self._choose_and_send(task, deadline)
+        except BaseException as exc:
+            telemetry.end_span(span, error=f"{type(exc).__name__}: {exc}")
+            raise
+        if span is not None:
+            telemetry.end_span(span, attributes={"engine_id": engine_id})
+        log.debug("dispatched request_id=%s engine=%s", task.request_id, engine_id)
+        return engine_id
+
+    async def _choose_and_send(self, task: GenerateTask, deadline: float) -> str:
         """Send the task to the least-loaded engine that accepts it; return that engine's id."""
         tried: set[str] = set()
         refusal: KvpathError | None = None
@@ -164,8 +179,14 @@ class RouterCore:
     # ------------------------------------------------------------------------------------ generation
 
     def new_request_id(self, endpoint: str) -> str:
+        """A fresh id, bound to the calling handler task: every later log line of the request carries it,
+        and it names the request's HTTP span."""
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
-        return f"{prefix}-{uuid.uuid4().hex}"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        logs.bind_request_id(request_id)
+        telemetry.set_current_attribute("request_id", request_id)
+        log.debug("request accepted request_id=%s endpoint=%s", request_id, endpoint)
+        return request_id
 
     async def generate(self, prompt: PreparedPrompt, request_id: str, usage: Usage) -> AsyncGenerator[Piece]:
         """Dispatch and stream. The caller must exhaust or close the iterator (closing aborts the request)."""

@@ -16,43 +16,11 @@ from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.disagg import DisaggregatedDispatch, Dispatcher, SchedulerParams
 from services.router.kv_plan import KvPlanner
-from shared import logs, telemetry
-from shared.protocol import GenerateTask, ServiceInfo
+from shared import telemetry
+from shared.protocol import ServiceInfo
 from shared.service import Service
 
 log = logging.getLogger(__name__)
-
-
-class ObservedRouterCore(RouterCore):
-    """RouterCore plus request-scoped logs and spans, added from outside the HTTP hot path's modules.
-
-    `new_request_id` runs in the request's own handler task (aiohttp starts one per request): binding the
-    id there tags every later log line of the request, and names the request on its HTTP span. The
-    colocated `_dispatch` (engine choice until an engine acked) is the `schedule` span; it is not made
-    current, so the engine's spans hang off the HTTP span like those of the disaggregated policies.
-    """
-
-    def new_request_id(self, endpoint: str) -> str:
-        request_id = super().new_request_id(endpoint)
-        logs.bind_request_id(request_id)
-        telemetry.set_current_attribute("request_id", request_id)
-        log.debug("request accepted request_id=%s endpoint=%s", request_id, endpoint)
-        return request_id
-
-    async def _dispatch(self, task: GenerateTask, deadline: float) -> str:
-        span = telemetry.start_span("schedule", attributes=_COLOCATED)  # None while tracing is off
-        try:
-            engine_id = await super()._dispatch(task, deadline)
-        except BaseException as exc:
-            telemetry.end_span(span, error=f"{type(exc).__name__}: {exc}")
-            raise
-        if span is not None:
-            telemetry.end_span(span, attributes={"engine_id": engine_id})
-        log.debug("dispatched request_id=%s engine=%s", task.request_id, engine_id)
-        return engine_id
-
-
-_COLOCATED = {"policy": "colocated"}
 
 
 class RouterService(Service):
@@ -69,7 +37,7 @@ class RouterService(Service):
         self.spec = load_model_spec(config.model, cache_dir)
         self.tokenizer = load_tokenizer(self.spec.model_dir)
         self.model_name = config.served_model_name or self.spec.name
-        self.core = ObservedRouterCore(config, self.bus, self.service_id)
+        self.core = RouterCore(config, self.bus, self.service_id)
         if config.use_kv_cache:
             from gpu.model_spec import default_dtype
 

@@ -121,6 +121,7 @@ class StreamTable:
                     stream.next_seq,
                     seq,
                     engine_id,
+                    extra={"request_id": stream.request_id},
                 )
                 stream.put_error(
                     EngineFailedError(
