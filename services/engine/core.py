@@ -11,26 +11,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict
-from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq, SamplingOptions
 from services.engine import metrics, tracing
-from services.engine.batching import AttentionShape, BatchingLimits
 from services.engine.config import EngineConfig
 from services.engine.connector import KvConnector, NullConnector
-from services.engine.quota import QuotaPlanner
+from services.engine.outbox import Outgoing, Publish, TokenOutbox
+from services.engine.quota import RateMeter, quota_planner
 from services.engine.scheduler import EngineScheduler, StepPlan, blocks_for
 from services.engine.sequence import SeqStatus, Sequence
 from services.engine.stopping import check_stop
 from shared.errors import ContextLengthExceededError, InvalidRequestError, KvpathError, OverloadedError
-from shared.protocol import GenerateTask, SamplingParams, TaskAck, TokenBatch, TokenDelta
+from shared.protocol import GenerateTask, SamplingParams, TaskAck, TokenDelta
 
 log = logging.getLogger(__name__)
 
-Publish = Callable[[str, TokenBatch], Awaitable[None]]
-Outgoing = tuple[str, TokenDelta]  # (router id, delta)
 
 IDLE_RECHECK_S = 1.0  # an idle engine still re-checks deadlines this often
 
@@ -47,9 +43,8 @@ class EngineCore:
         self.config = config
         self.runner = runner
         self.engine_id = engine_id
-        self.publish = publish
         self.connector = connector or NullConnector()
-        self.quota = _quota_planner(config, runner)
+        self.quota = quota_planner(config, runner)
         self.scheduler = EngineScheduler(
             runner.kv,
             block_size=runner.block_size,
@@ -65,8 +60,7 @@ class EngineCore:
         self.is_idle.set()
         self.step_count = 0
         self.prefill_rate = RateMeter()  # prefill tokens per second of prefill compute (DualPath's beta)
-        self._final_waits: dict[str, Awaitable[None]] = {}  # last deltas that wait for the connector
-        self._background: set[asyncio.Task[None]] = set()
+        self.outbox = TokenOutbox(engine_id, publish)
         self.is_draining = False
 
     # ------------------------------------------------------------------------------------- admission
@@ -159,7 +153,7 @@ class EngineCore:
             self.connector.release(seq)
             return
         if seq.error_code:
-            await self._flush([self._finish(seq, "error")])
+            await self.outbox.flush([self._finish(seq, "error")])
             return
         if seq.finish_reason:  # another engine finished it (a PE whose first token ended the request)
             self._finish_silently(seq, seq.finish_reason)
@@ -181,7 +175,7 @@ class EngineCore:
             out = self._apply_aborts()
             plan = self.scheduler.schedule()
             if plan.is_empty:
-                await self._flush(out)
+                await self.outbox.flush(out)
                 self._wake.clear()
                 if not self._aborts:
                     with contextlib.suppress(TimeoutError):
@@ -197,7 +191,8 @@ class EngineCore:
             else:
                 out += self._apply(plan, tokens)
             self.step_count += 1
-            await self._flush(out)
+            self.outbox.step = self.step_count
+            await self.outbox.flush(out)
 
     def _apply_aborts(self) -> list[Outgoing]:
         now = time.time()
@@ -332,7 +327,7 @@ class EngineCore:
         # the connector sees the sequence before its blocks are freed (it may copy them out)
         wait = self.connector.finish(seq)
         if wait is not None:
-            self._final_waits[seq.request_id] = wait
+            self.outbox.hold_last(seq.request_id, wait)
         self.connector.release(seq)
         self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
@@ -355,9 +350,7 @@ class EngineCore:
     def _finish_silently(self, seq: Sequence, reason: str) -> None:
         """Finish without a delta (nobody expects one); connector waits still run to completion."""
         self._finish(seq, reason)
-        wait = self._final_waits.pop(seq.request_id, None)
-        if wait is not None:
-            self._spawn(_drain(wait))
+        self.outbox.drop_last(seq.request_id)
 
     def _delta(self, seq: Sequence) -> Outgoing:
         finish = seq.finish_reason if seq.status is SeqStatus.FINISHED else None
@@ -378,44 +371,10 @@ class EngineCore:
         seq.next_delta_seq += 1
         return seq.router_id, delta
 
-    async def _flush(self, out: list[Outgoing]) -> None:
-        by_router: dict[str, list[TokenDelta]] = defaultdict(list)
-        for router_id, delta in out:
-            is_last = delta.finish_reason is not None or delta.handoff
-            wait = self._final_waits.pop(delta.request_id, None) if is_last else None
-            if wait is None:
-                by_router[router_id].append(delta)
-            else:  # the last delta goes out once the connector is done (e.g. blocks durable)
-                self._spawn(self._publish_after(wait, router_id, delta))
-        for router_id, deltas in by_router.items():
-            await self._publish(router_id, deltas)
-
-    async def _publish(self, router_id: str, deltas: list[TokenDelta]) -> None:
-        batch = TokenBatch(engine_id=self.engine_id, step=self.step_count, deltas=deltas)
-        try:
-            await self.publish(router_id, batch)
-        except Exception as exc:  # the router notices the gap or the silence
-            log.warning("token publish failed router=%s: %r", router_id, exc)
-
-    async def _publish_after(self, wait: Awaitable[None], router_id: str, delta: TokenDelta) -> None:
-        try:
-            await wait
-        except Exception:
-            log.exception(
-                "finish wait failed request_id=%s", delta.request_id, extra={"request_id": delta.request_id}
-            )
-        await self._publish(router_id, [delta])
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     async def close(self) -> None:
-        """Wait (bounded by the caller) for deferred last deltas, then cancel what is left."""
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=5.0)
-        for task in list(self._background) + list(self.preparing.values()):
+        """Wait (bounded) for deferred last deltas, then cancel what is left."""
+        await self.outbox.close()
+        for task in list(self.preparing.values()):
             task.cancel()
 
     # --------------------------------------------------------------------------------------- reports
@@ -429,38 +388,6 @@ class EngineCore:
             "total_kv_blocks": self.runner.kv.num_blocks,
             "rates": {"prefill_tokens_per_s": self.prefill_rate.value},
         }
-
-
-def _quota_planner(config: EngineConfig, runner: ModelRunner) -> QuotaPlanner | None:
-    """The compute-quota batch planner of a prefill engine (None: a plain token budget)."""
-    if config.role != "prefill" or config.compute_quota_s <= 0:
-        return None
-    arch = runner.arch
-    head_dim = arch.qk_nope_head_dim + arch.qk_rope_head_dim if arch.attention == "mla" else arch.head_dim
-    limits = BatchingLimits(
-        compute_quota_s=config.compute_quota_s, max_num_batched_tokens=config.max_num_batched_tokens
-    )
-    return QuotaPlanner(AttentionShape(num_q_heads=arch.num_heads, head_dim=head_dim), limits)
-
-
-class RateMeter:
-    """Exponentially weighted work rate (units per busy second)."""
-
-    __slots__ = ("_weight", "value")
-
-    def __init__(self, weight: float = 0.2) -> None:
-        self._weight = weight
-        self.value = 0.0
-
-    def add(self, units: float, seconds: float) -> None:
-        if seconds <= 0 or units <= 0:
-            return
-        rate = units / seconds
-        self.value = rate if self.value == 0 else (1 - self._weight) * self.value + self._weight * rate
-
-
-async def _drain(wait: Awaitable[None]) -> None:
-    await wait
 
 
 def _sampling(seq: Sequence) -> SamplingOptions:

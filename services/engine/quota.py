@@ -4,6 +4,7 @@ attention-time profile from the batches it ran."""
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from services.engine.batching import (
     PRIOR_PROFILE,
@@ -15,6 +16,7 @@ from services.engine.batching import (
     fit_attention_profile,
     plan_prefill_batch,
 )
+from services.engine.config import EngineConfig
 
 MAX_SAMPLES = 256
 REFIT_EVERY = 8
@@ -54,3 +56,31 @@ class QuotaPlanner:
         if self._since_fit >= REFIT_EVERY:
             self._since_fit = 0
             self.profile = fit_attention_profile(list(self._samples), self.shape, self._prior)
+
+
+def quota_planner(config: EngineConfig, runner: Any) -> QuotaPlanner | None:
+    """The compute-quota batch planner of a prefill engine (None: a plain token budget)."""
+    if config.role != "prefill" or config.compute_quota_s <= 0:
+        return None
+    arch = runner.arch
+    head_dim = arch.qk_nope_head_dim + arch.qk_rope_head_dim if arch.attention == "mla" else arch.head_dim
+    limits = BatchingLimits(
+        compute_quota_s=config.compute_quota_s, max_num_batched_tokens=config.max_num_batched_tokens
+    )
+    return QuotaPlanner(AttentionShape(num_q_heads=arch.num_heads, head_dim=head_dim), limits)
+
+
+class RateMeter:
+    """Exponentially weighted work rate (units per busy second)."""
+
+    __slots__ = ("_weight", "value")
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self._weight = weight
+        self.value = 0.0
+
+    def add(self, units: float, seconds: float) -> None:
+        if seconds <= 0 or units <= 0:
+            return
+        rate = units / seconds
+        self.value = rate if self.value == 0 else (1 - self._weight) * self.value + self._weight * rate

@@ -1,0 +1,85 @@
+"""Where an engine's token deltas leave: one `TokenBatch` per router per step, and last deltas that wait.
+
+A request's last delta may have to wait for its connector (blocks durable and indexed, the DONE notice to a
+decode engine): it is published by a background task once that wait ends, so the step loop never blocks on
+it. `close` gives those tasks a bounded time to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from shared.protocol import TokenBatch, TokenDelta
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[str, TokenBatch], Awaitable[None]]
+Outgoing = tuple[str, TokenDelta]  # (router id, delta)
+
+CLOSE_WAIT_S = 5.0
+
+
+class TokenOutbox:
+    def __init__(self, engine_id: str, publish: Publish) -> None:
+        self.engine_id = engine_id
+        self.publish = publish
+        self.step = 0
+        self.final_waits: dict[str, Awaitable[None]] = {}  # request id -> what its last delta waits for
+        self._background: set[asyncio.Task[None]] = set()
+
+    def hold_last(self, request_id: str, wait: Awaitable[None]) -> None:
+        """The request's last delta goes out only after `wait`."""
+        self.final_waits[request_id] = wait
+
+    def drop_last(self, request_id: str) -> None:
+        """No last delta will be sent (nobody expects one); the wait still runs to completion."""
+        wait = self.final_waits.pop(request_id, None)
+        if wait is not None:
+            self.spawn(_await(wait))
+
+    async def flush(self, out: list[Outgoing]) -> None:
+        by_router: dict[str, list[TokenDelta]] = defaultdict(list)
+        for router_id, delta in out:
+            is_last = delta.finish_reason is not None or delta.handoff
+            wait = self.final_waits.pop(delta.request_id, None) if is_last else None
+            if wait is None:
+                by_router[router_id].append(delta)
+            else:
+                self.spawn(self._publish_after(wait, router_id, delta))
+        for router_id, deltas in by_router.items():
+            await self._publish(router_id, deltas)
+
+    async def _publish(self, router_id: str, deltas: list[TokenDelta]) -> None:
+        batch = TokenBatch(engine_id=self.engine_id, step=self.step, deltas=deltas)
+        try:
+            await self.publish(router_id, batch)
+        except Exception as exc:  # the router notices the gap or the silence
+            log.warning("token publish failed router=%s: %r", router_id, exc)
+
+    async def _publish_after(self, wait: Awaitable[None], router_id: str, delta: TokenDelta) -> None:
+        try:
+            await wait
+        except Exception:
+            log.exception(
+                "finish wait failed request_id=%s", delta.request_id, extra={"request_id": delta.request_id}
+            )
+        await self._publish(router_id, [delta])
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=CLOSE_WAIT_S)
+        for task in list(self._background):
+            task.cancel()
+
+
+async def _await(wait: Awaitable[None]) -> None:
+    await wait
