@@ -82,6 +82,7 @@ def materialize(name: str, cache_dir: Path) -> Path:
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the model folder is shared by every user of the cache
     try:
         write_model(name, tmp)
         try:

@@ -106,6 +106,12 @@ class StorageError(KvpathError):
     code = "storage_error"
 
 
+class StorageFullError(StorageError):
+    """The store has no room (capacity reached or the disk is full): writes are skipped, reads go on."""
+
+    code = "storage_full"
+
+
 class TransportError(KvpathError):
     code = "transport_error"
 

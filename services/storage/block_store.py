@@ -38,7 +38,7 @@ from services.storage.block_file import (
     writer_node,
     writev_full,
 )
-from shared.errors import StorageError
+from shared.errors import StorageError, StorageFullError
 
 __all__ = ["HEADER_BYTES", "BlockHeader", "BlockStore", "ReadOutcome", "StoredBlock"]
 
@@ -142,7 +142,7 @@ class BlockStore:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StorageError(f"storage full: cannot write block {block_hash:016x}: {exc}") from exc
+                raise StorageFullError(f"storage full: cannot write block {block_hash:016x}: {exc}") from exc
             raise StorageError(f"cannot write block {block_hash:016x}: {exc}") from exc
         return HEADER_BYTES + len(payload)
 

@@ -24,7 +24,7 @@ from services.storage import metrics
 from services.storage.block_store import HEADER_BYTES, BlockStore
 from services.storage.lru import BlockKey, LruCatalog
 from services.storage.token_bucket import TokenBucket
-from shared.errors import InvalidRequestError, KvpathError, OverloadedError, StorageError
+from shared.errors import InvalidRequestError, KvpathError, OverloadedError, StorageError, StorageFullError
 from shared.hashing import fingerprint_seed
 from shared.protocol.kv import StorageWriteReply, StorageWriteRequest
 from shared.shm import ShmSegment, segment_path
@@ -215,7 +215,7 @@ class BlockWriter:
     async def _reserve(self, key: BlockKey, file_bytes: int) -> None:
         """Account for a new file, evicting least recently used ones first (announced as BlockRemoved)."""
         if not self.catalog.can_ever_fit(file_bytes):
-            raise StorageError(
+            raise StorageFullError(
                 f"storage full: a {file_bytes} B block exceeds capacity {self.catalog.capacity_bytes}"
             )
         async with self._room_lock:
@@ -232,7 +232,7 @@ class BlockWriter:
         while not self.catalog.fits(file_bytes):
             popped = self.catalog.pop_lru()
             if popped is None:
-                raise StorageError("storage full: every byte of capacity is reserved by writes in flight")
+                raise StorageFullError("storage full: every byte of capacity is reserved by writes in flight")
             key, entry = popped
             if self.limits.is_shared_root and rechecks_left > 0:
                 rechecks_left -= 1

@@ -12,7 +12,7 @@ from services.index.config import IndexConfig
 from services.index.service import IndexService
 from shared.blocks import BlockLayout
 from shared.bus import MsgContext
-from shared.errors import AbortedError, StorageError
+from shared.errors import AbortedError, StorageFullError
 from shared.hashing import block_hashes, block_parents, fingerprint_seed
 from shared.kvclient import IndexClient
 from shared.protocol import Abort, LoadReport
@@ -149,13 +149,13 @@ async def test_capacity_survives_a_restart(cluster: StorageCluster, tmp_path: Pa
 async def test_storage_full_is_a_clear_write_error(tiny_fs: Path, cluster: StorageCluster) -> None:
     node = await cluster.start(capacity_bytes=LAYOUT.full_block_bytes // 2)
     hashes, parents = chain(1)
-    with pytest.raises(StorageError, match="storage full"):
+    with pytest.raises(StorageFullError, match="storage full"):
         await write_blocks(node.client, hashes, parents)
     assert node.client._staging_alloc is not None and node.client._staging_alloc.used_bytes == 0
     # the disk itself filling up (a real 128 KiB tmpfs) is reported the same way
     tiny = await cluster.start(1, root=str(tiny_fs))
     many, many_parents = chain(12, seed=3)
-    with pytest.raises(StorageError, match="storage full"):
+    with pytest.raises(StorageFullError, match="storage full"):
         await write_blocks(tiny.client, many, many_parents)
     # what did get written is durable and readable; the service keeps serving
     lease = await tiny.client.read("after-full", many, deadline_s=5.0)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from services.storage.block_store import HEADER_BYTES, BlockHeader, BlockStore, ReadOutcome
-from shared.errors import StorageError
+from shared.errors import StorageError, StorageFullError
 
 FP, OTHER_FP = 0x1111, 0x2222
 PAYLOAD = np.arange(1000, dtype=np.uint32).view(np.uint8)  # 4000 bytes
@@ -125,7 +125,7 @@ def test_a_full_file_system_is_reported_as_storage_full(small_fs: Path) -> None:
     store = BlockStore(small_fs, node=0)
     big = np.zeros(48 * 1024, np.uint8)
     store.write(FP, 1, 0, big.data)
-    with pytest.raises(StorageError, match="storage full"):
+    with pytest.raises(StorageFullError, match="storage full"):
         for h in range(2, 10):
             store.write(FP, h, 0, big.data)
     assert not [p for p in small_fs.rglob("*.tmp-*")]  # no temp file left behind
