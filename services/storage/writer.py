@@ -164,12 +164,12 @@ class BlockWriter:
             seq = await self._announce_stored(hashes, parents, req.block_tokens)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            metrics.WRITE_ERRORS.labels("io").inc()
+            is_full = all(isinstance(e, StorageFullError) for e in errors)
+            metrics.WRITE_ERRORS.labels("full" if is_full else "io").inc()
             first = errors[0]
             detail = first.message if isinstance(first, KvpathError) else repr(first)
-            raise StorageError(
-                f"{len(errors)} of {len(results)} blocks not written ({len(ok)} durable): {detail}"
-            )
+            error = StorageFullError if is_full else StorageError
+            raise error(f"{len(errors)} of {len(results)} blocks not written ({len(ok)} durable): {detail}")
         return StorageWriteReply(
             request_id=req.request_id,
             num_written=num_written,
