@@ -1,0 +1,203 @@
+"""The simulated cluster: nodes (storage NIC links, DRAM buffer), PEs in step groups, DEs, and the global
+scheduler wired to them; `ClusterSim.run()` plays a workload through it (see `loadgen/sim/lifecycle.py`).
+
+Node ids: prefill nodes 0..P-1, decode nodes P..P+D-1. Engine ids `pe<node>.<gpu>` / `de<node>.<gpu>`, grouped
+per node (`node<n>`) as the live router groups them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from loadgen.sim.config import SimSetup
+from loadgen.sim.decode import DecodeEngine
+from loadgen.sim.events import EventLoop
+from loadgen.sim.fluid import FluidLink
+from loadgen.sim.models import ModelSpec
+from loadgen.sim.pipeline import StepTiming
+from loadgen.sim.prefill import PrefillEngine, PrefillGroup, profile_attention
+from loadgen.sim.requests import SimRequest
+from loadgen.sim.scheduler import GlobalScheduler
+from loadgen.sim.traffic import TrafficCounters
+from loadgen.sim.workload import Workload
+from services.router.dualpath import (
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    EngineSnapshot,
+    NodeSnapshot,
+    Placement,
+    Thresholds,
+    thresholds_from_rates,
+)
+from shared.errors import ConfigError
+
+
+@dataclass(slots=True)
+class Node:
+    node: int
+    role: str
+    snic_read: FluidLink
+    snic_write: FluidLink
+    buffer_capacity_bytes: float
+    buffer_used_bytes: float = 0.0
+    read_queue_tokens: int = 0
+
+    def can_hold(self, num_bytes: float) -> bool:
+        # an empty buffer takes anything, so one oversized request cannot block a node forever
+        return (
+            num_bytes <= 0
+            or self.buffer_used_bytes == 0
+            or self.buffer_used_bytes + num_bytes <= self.buffer_capacity_bytes
+        )
+
+
+def nominal_prefill_tokens_per_s(
+    model: ModelSpec, context_tokens: int, append_tokens: int, count_prompt: bool
+) -> float:
+    """A PE's rate on a typical turn, alone on its GPU: what beta uses before any step is measured."""
+    layer_s = (
+        model.attention_layer_flops(context_tokens, append_tokens) / model.attention_flops_per_s
+        + model.linear_layer_flops(append_tokens) / model.linear_flops_per_s
+    )
+    tokens = context_tokens + append_tokens if count_prompt else append_tokens
+    return tokens / (layer_s * model.num_layers)
+
+
+class ClusterBase:
+    """Construction, load snapshots and thresholds; the request lifecycle is in `ClusterSim`."""
+
+    def __init__(self, setup: SimSetup, workload: Workload) -> None:
+        self.setup = setup
+        self.workload = workload
+        config, model = setup.config, setup.model
+        self.loop = EventLoop()
+        self.kv_bytes_per_token = float(model.kv_bytes_per_token)
+        self.nodes = [self._node(n) for n in range(setup.num_nodes)]
+        g = setup.gpus_per_node
+        profile = profile_attention(model)
+        self.pes = [
+            PrefillEngine(f"pe{n}.{i}", n, n * g + i, setup, profile)
+            for n in range(setup.num_prefill_nodes)
+            for i in range(g)
+        ]
+        self.groups: list[PrefillGroup] = []
+        self.group_of: dict[str, PrefillGroup] = {}
+        for n in range(setup.num_prefill_nodes):
+            members = self.pes[n * g : (n + 1) * g]
+            for part in [members] if model.is_expert_parallel else [[e] for e in members]:
+                group = PrefillGroup(self.loop, part, setup, self._on_prefilled, self._on_step)
+                self.groups.append(group)
+                self.group_of.update({e.engine_id: group for e in part})
+        capacity = int(model.de_kv_bytes // model.kv_bytes_per_token)
+        step_model = (lambda n, c: config.tpot_s) if config.tpot_s > 0 else model.decode.step_s
+        self.des = []
+        for k in range(setup.num_decode_nodes * g):
+            node = setup.num_prefill_nodes + k // g
+            h2d = FluidLink(self.loop, setup.kv_copy_bytes_per_s, name=f"h2d{k}")
+            de = DecodeEngine(
+                self.loop, f"de{node}.{k % g}", node, k, capacity, h2d, step_model, self._on_decoded
+            )
+            self.des.append(de)
+        self.pe_by_id = {e.engine_id: e for e in self.pes}
+        self.de_by_id = {e.engine_id: e for e in self.des}
+        need = max(p.total_tokens for p in workload.plans)
+        if need > capacity:
+            raise ConfigError(
+                f"a trajectory needs {need} tokens of DE HBM but a DE holds {capacity} "
+                f"({model.de_kv_bytes / 1e9:g} GB at {model.kv_bytes_per_token} B/token): raise --de-kv-gb"
+            )
+        self.traffic = TrafficCounters(self.kv_bytes_per_token)
+        self._snapshot_cache: dict[str, tuple[tuple[int, int, int], EngineSnapshot]] = {}
+        self.scheduler = GlobalScheduler(
+            self.loop,
+            config.policy,
+            config.fetch_period_s,
+            self.snapshot_parts,
+            self.thresholds,
+            self.can_place_head,
+            self._on_placed,
+        )
+        self.read_rates = [setup.snic_bytes_per_s / self.kv_bytes_per_token for n in self.nodes]
+        self.fallback_prefill_tokens_per_s = self._fallback_rate()
+        self.attention_balance: list[tuple[float, float]] = []  # (time, max/avg) per multi-rank step
+
+    def _node(self, n: int) -> Node:
+        setup = self.setup
+        role = ROLE_PREFILL if n < setup.num_prefill_nodes else ROLE_DECODE
+        reads = FluidLink(
+            self.loop,
+            setup.snic_bytes_per_s,
+            max_active=setup.config.max_concurrent_reads,
+            name=f"snic{n}.read",
+        )
+        writes = FluidLink(self.loop, setup.snic_bytes_per_s, name=f"snic{n}.write")
+        return Node(n, role, reads, writes, setup.model.dram_buffer_bytes)
+
+    def _fallback_rate(self) -> float:
+        from loadgen.profiles import PROFILES
+
+        targets = PROFILES[self.setup.profile_name].dualpath
+        context, append = (int(targets.context), int(targets.append)) if targets else (16384, 512)
+        is_prompt = self.setup.config.beta_rate == "prompt"
+        return nominal_prefill_tokens_per_s(self.setup.model, context, append, is_prompt)
+
+    # ------------------------------------------------------------------------------------ scheduler inputs
+
+    def snapshot_parts(self) -> tuple[tuple[EngineSnapshot, ...], tuple[NodeSnapshot, ...]]:
+        """What load reports would say now (with the router's notes: loads change at placement). Snapshots
+        of engines whose loads did not change since the last round are reused (they are immutable)."""
+        cache = self._snapshot_cache
+        engines: list[EngineSnapshot] = []
+        for e in self.pes:
+            key = (e.num_unfinished, e.unfinished_tokens, 0)
+            hit = cache.get(e.engine_id)
+            if hit is None or hit[0] != key:
+                snap = EngineSnapshot(e.engine_id, ROLE_PREFILL, e.node, f"node{e.node}", key[0], key[1])
+                hit = cache[e.engine_id] = (key, snap)
+            engines.append(hit[1])
+        for d in self.des:
+            key = (d.num_unfinished, d.unfinished_tokens, d.free_kv_tokens)
+            hit = cache.get(d.engine_id)
+            if hit is None or hit[0] != key:
+                snap = EngineSnapshot(d.engine_id, ROLE_DECODE, d.node, f"node{d.node}", *key)
+                hit = cache[d.engine_id] = (key, snap)
+            engines.append(hit[1])
+        nodes = tuple(NodeSnapshot(n.node, n.read_queue_tokens) for n in self.nodes)
+        return tuple(engines), nodes
+
+    def can_place_head(self, thresholds: Thresholds, head: SimRequest) -> bool:
+        """False only when no policy could place the FIFO head now (no PE under beta, or no DE with room for
+        it), so the round is skipped without changing any decision."""
+        beta = thresholds.beta_tokens
+        need = head.pending.hbm_need_tokens
+        return any(e.unfinished_tokens <= beta for e in self.pes) and any(
+            d.free_kv_tokens >= need for d in self.des
+        )
+
+    def thresholds(self) -> Thresholds:
+        config = self.setup.config
+        return thresholds_from_rates(
+            self.read_rates,
+            [e.prefill_tokens_per_s for e in self.pes],
+            alpha_s=config.alpha_s,
+            beta_s=config.beta_s,
+            z_factor=config.z_factor,
+            fallback_prefill_tokens_per_s=self.fallback_prefill_tokens_per_s,
+        )
+
+    # ------------------------------------------------------------------------- callbacks (ClusterSim)
+
+    def _on_placed(self, request: SimRequest, placement: Placement) -> None:
+        raise NotImplementedError
+
+    def _on_prefilled(self, request: SimRequest) -> None:
+        raise NotImplementedError
+
+    def _on_decoded(self, request: SimRequest) -> None:
+        raise NotImplementedError
+
+    def _on_step(self, timing: StepTiming) -> None:
+        ratio = timing.attention_balance
+        if ratio is not None and not math.isnan(ratio):
+            self.attention_balance.append((self.loop.now, ratio))
