@@ -144,10 +144,12 @@ class ClusterBase:
 
     # ------------------------------------------------------------------------------------ scheduler inputs
 
-    def snapshot_parts(self) -> tuple[tuple[EngineSnapshot, ...], tuple[NodeSnapshot, ...]]:
+    def snapshot_parts(
+        self, *, reuse: bool = True
+    ) -> tuple[tuple[EngineSnapshot, ...], tuple[NodeSnapshot, ...]]:
         """What load reports would say now (with the router's notes: loads change at placement). Snapshots
         of engines whose loads did not change since the last round are reused (they are immutable)."""
-        cache = self._snapshot_cache
+        cache = self._snapshot_cache if reuse else {}
         engines: list[EngineSnapshot] = []
         for e in self.pes:
             key = (e.num_unfinished, e.unfinished_tokens, 0)

@@ -52,7 +52,7 @@ class ModelSpec:
     de_kv_bytes: float = 50 * GB  # HBM for KV on a DE
     linear_flops_per_s: float = 5e14  # effective, per GPU
     attention_flops_per_s: float = 3e14  # effective, per GPU
-    decode: DecodeModel = DecodeModel(0.030, 1e-4, 3e-9)
+    decode: DecodeModel = DecodeModel(0.030, 2.5e-5, 2.5e-9)
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.kv_bytes_per_token < 1 or self.active_params <= 0:
@@ -93,7 +93,8 @@ class ModelSpec:
 # 1536), 32 MLA heads, indexer 32 heads x 64, top-k 1024, no q LoRA. [INF] active params per layer: FFN
 # 8 x 3 x 2560 x 1536 = 94.4M (the dense layer's 3 x 2560 x 12288 is the same), MLA 31.9M (q 2560x32x192,
 # kv_a 2560x576, kv_b 512x32x256, o 32x128x2560), indexer 5.5M: 131.8M x 30 = 3.95B. Weights ~27 GB FP8
-# over EP8.
+# over EP8. Decode: ~20 ms per step (EP all-to-all, launches); per sequence the top-k KV (1024 x 656 B x 30
+# = 20 MB, ~6 us at 3.35 TB/s) and per context token the indexer keys (~2 KB, ~0.6 ns), padded for overheads.
 DS27B = ModelSpec(
     name="ds27b",
     description="DS 27B: downscaled DeepSeek-V3.2 (MLA + DSA top-k 1024), 30 layers, EP+DP, 1P1D",
@@ -108,12 +109,14 @@ DS27B = ModelSpec(
     de_kv_bytes=65 * GB,
     linear_flops_per_s=3e14,  # small GEMMs (hidden 2560) run well below the FP8 peak
     attention_flops_per_s=2e14,
-    decode=DecodeModel(0.020, 1e-4, 4e-9),
+    decode=DecodeModel(0.020, 2e-5, 1e-9),
 )
 
 # DS 660B = DeepSeek-V3.2: 61 layers, 128 MLA heads, indexer 64 heads x 128, top-k 2048, 37B active. [INF]
 # weights 671 GB FP8: EP32 over 4 decode nodes leaves ~50 GB of an 80 GB GPU for KV, EP16 on 2 prefill nodes
-# ~30 GB. Decode ~35 ms/step at the paper's loads (Table 3: TPOT 36-39 ms).
+# ~30 GB. Decode: per sequence the top-k KV (2048 x 656 B x 61 = 82 MB, ~25 us), per context token the
+# indexer keys (~8 KB, ~2.4 ns); the fixed part is set so a step is ~35 ms at the paper's loads (Table 3:
+# TPOT 36-39 ms).
 DS660B = ModelSpec(
     name="ds660b",
     description="DS 660B: DeepSeek-V3.2 (MLA + DSA top-k 2048), 61 layers, EP+DP, 2P4D",
@@ -126,11 +129,12 @@ DS660B = ModelSpec(
     default_pd="2P4D",
     pe_kv_bytes=30 * GB,
     de_kv_bytes=50 * GB,
-    decode=DecodeModel(0.030, 1e-4, 3e-9),
+    decode=DecodeModel(0.032, 2.5e-5, 2.5e-9),
 )
 
 # Qwen2.5-32B: 64 layers, GQA 40 query / 8 KV heads x 128, FP16 KV (256 KiB/token), 32.5B params, DP only.
-# [INF] FP8 weights (DeepGEMM) leave ~39 GB for KV; decode reads its weights and KV from 3.35 TB/s HBM.
+# [INF] FP8 weights (DeepGEMM) leave ~39 GB for KV; decode reads its weights (32.5 GB: ~10 ms) and every
+# context token's 256 KiB of KV (78 ns) from 3.35 TB/s HBM.
 QWEN32B = ModelSpec(
     name="qwen32b",
     description="Qwen2.5-32B: dense GQA, FP16 KV, 64 layers, DP only, 1P2D",
@@ -145,7 +149,7 @@ QWEN32B = ModelSpec(
     de_kv_bytes=39 * GB,
     linear_flops_per_s=4e14,
     attention_flops_per_s=3e14,
-    decode=DecodeModel(0.012, 1e-4, 7.8e-8),
+    decode=DecodeModel(0.012, 5e-5, 7.8e-8),
 )
 
 # Table 1 only (brief 6.4): not simulated configurations, kept to check the FLOP model.
