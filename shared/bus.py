@@ -28,6 +28,7 @@ from nats.js.kv import KeyValue
 from shared import telemetry
 from shared.errors import (
     DeadlineExceededError,
+    InvalidRequestError,
     KvpathError,
     ProtocolError,
     ServiceUnavailableError,
@@ -159,7 +160,10 @@ class Bus:
         self, subject: str, data: bytes, *, headers: dict[str, str] | None = None
     ) -> None:
         telemetry.BUS_MESSAGES.labels("out", _kind_of(subject, self.subjects.prefix)).inc()
-        await self.nc.publish(subject, data, headers=telemetry.inject_headers(headers))
+        try:
+            await self.nc.publish(subject, data, headers=telemetry.inject_headers(headers))
+        except nats.errors.MaxPayloadError:
+            raise self._too_large(subject, len(data)) from None
 
     async def request(
         self,
@@ -179,10 +183,20 @@ class Bus:
             )
         except nats.errors.NoRespondersError:
             raise ServiceUnavailableError(f"no service answers on {subject}") from None
+        except nats.errors.MaxPayloadError:
+            raise self._too_large(subject, len(encode(msg))) from None
         except nats.errors.TimeoutError:
             telemetry.BUS_ERRORS.labels("timeout").inc()
             raise DeadlineExceededError(f"no reply on {subject} within {timeout:.1f}s") from None
         return self.decode_reply(reply.data, reply_type)
+
+    def _too_large(self, subject: str, size: int) -> InvalidRequestError:
+        telemetry.BUS_ERRORS.labels("too_large").inc()
+        return InvalidRequestError(
+            f"message of {size} bytes for {subject} exceeds the bus limit of {self.max_payload} bytes "
+            f"(nats-server max_payload)",
+            param="prompt",
+        )
 
     @staticmethod
     def decode_reply(data: bytes, reply_type: type[R] | tuple[type[R], ...]) -> R:

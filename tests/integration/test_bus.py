@@ -72,3 +72,13 @@ async def test_registry_expires_entries(nats_server: NatsServer, namespace: str)
         assert loop.time() < deadline, "registry entry did not expire"
         await asyncio.sleep(0.1)
     await bus.close()
+
+
+async def test_message_over_the_bus_limit_is_a_clear_error(nats_server: NatsServer, namespace: str) -> None:
+    bus = await _bus(nats_server, namespace, "big")
+    huge = Abort(request_id="x" * (bus.max_payload + 1))
+    with pytest.raises(InvalidRequestError, match="exceeds the bus limit"):
+        await bus.request(bus.subjects.abort, huge, Ack, timeout_s=1)
+    with pytest.raises(InvalidRequestError, match="exceeds the bus limit"):
+        await bus.publish(bus.subjects.abort, huge)
+    await bus.close()
