@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from loadgen.profiles import PROFILES
 from loadgen.sim.config import SimSetup
 from loadgen.sim.decode import DecodeEngine
 from loadgen.sim.events import EventLoop
@@ -70,12 +71,31 @@ class ClusterBase:
     def __init__(self, setup: SimSetup, workload: Workload) -> None:
         self.setup = setup
         self.workload = workload
-        config, model = setup.config, setup.model
         self.loop = EventLoop()
-        self.kv_bytes_per_token = float(model.kv_bytes_per_token)
+        self.kv_bytes_per_token = float(setup.model.kv_bytes_per_token)
         self.nodes = [self._node(n) for n in range(setup.num_nodes)]
-        g = setup.gpus_per_node
-        profile = profile_attention(model)
+        self._build_prefill()
+        self._build_decode()
+        self._check_fits(workload)
+        self.traffic = TrafficCounters(self.kv_bytes_per_token)
+        self._snapshot_cache: dict[str, tuple[tuple[int, int, int], EngineSnapshot]] = {}
+        self.scheduler = GlobalScheduler(
+            self.loop,
+            setup.config.policy,
+            setup.config.fetch_period_s,
+            self.snapshot_parts,
+            self.thresholds,
+            self.can_place_head,
+            self._on_placed,
+        )
+        # each node's storage service reports its configured bandwidth, as the live one does
+        self.read_rates = [setup.snic_bytes_per_s / self.kv_bytes_per_token] * len(self.nodes)
+        self.fallback_prefill_tokens_per_s = self._fallback_rate()
+        self.attention_balance: list[tuple[float, float]] = []  # (time, max/avg) per multi-rank step
+
+    def _build_prefill(self) -> None:
+        setup, g = self.setup, self.setup.gpus_per_node
+        profile = profile_attention(setup.model)
         self.pes = [
             PrefillEngine(f"pe{n}.{i}", n, n * g + i, setup, profile)
             for n in range(setup.num_prefill_nodes)
@@ -85,42 +105,47 @@ class ClusterBase:
         self.group_of: dict[str, PrefillGroup] = {}
         for n in range(setup.num_prefill_nodes):
             members = self.pes[n * g : (n + 1) * g]
-            for part in [members] if model.is_expert_parallel else [[e] for e in members]:
+            for part in [members] if setup.model.is_expert_parallel else [[e] for e in members]:
                 group = PrefillGroup(self.loop, part, setup, self._on_prefilled, self._on_step)
                 self.groups.append(group)
                 self.group_of.update({e.engine_id: group for e in part})
-        capacity = int(model.de_kv_bytes // model.kv_bytes_per_token)
-        step_model = (lambda n, c: config.tpot_s) if config.tpot_s > 0 else model.decode.step_s
-        self.des = []
+        self.pe_by_id = {e.engine_id: e for e in self.pes}
+
+    def _build_decode(self) -> None:
+        setup, g, model = self.setup, self.setup.gpus_per_node, self.setup.model
+        self.de_capacity_tokens = int(model.de_kv_bytes // model.kv_bytes_per_token)
+        tpot_s = setup.config.tpot_s
+        step_model = (lambda n, c: tpot_s) if tpot_s > 0 else model.decode.step_s
+        self.des: list[DecodeEngine] = []
         for k in range(setup.num_decode_nodes * g):
             node = setup.num_prefill_nodes + k // g
             h2d = FluidLink(self.loop, setup.kv_copy_bytes_per_s, name=f"h2d{k}")
-            de = DecodeEngine(
-                self.loop, f"de{node}.{k % g}", node, k, capacity, h2d, step_model, self._on_decoded
+            self.des.append(
+                DecodeEngine(
+                    self.loop,
+                    f"de{node}.{k % g}",
+                    node,
+                    k,
+                    self.de_capacity_tokens,
+                    h2d,
+                    step_model,
+                    self._on_decoded,
+                )
             )
-            self.des.append(de)
-        self.pe_by_id = {e.engine_id: e for e in self.pes}
         self.de_by_id = {e.engine_id: e for e in self.des}
-        need = max(p.total_tokens for p in workload.plans)
+
+    def _check_fits(self, workload: Workload) -> None:
+        """A request no DE can hold would wait forever: refuse the run instead."""
+        need, capacity, model = (
+            max(p.total_tokens for p in workload.plans),
+            self.de_capacity_tokens,
+            self.setup.model,
+        )
         if need > capacity:
             raise ConfigError(
                 f"a trajectory needs {need} tokens of DE HBM but a DE holds {capacity} "
                 f"({model.de_kv_bytes / 1e9:g} GB at {model.kv_bytes_per_token} B/token): raise --de-kv-gb"
             )
-        self.traffic = TrafficCounters(self.kv_bytes_per_token)
-        self._snapshot_cache: dict[str, tuple[tuple[int, int, int], EngineSnapshot]] = {}
-        self.scheduler = GlobalScheduler(
-            self.loop,
-            config.policy,
-            config.fetch_period_s,
-            self.snapshot_parts,
-            self.thresholds,
-            self.can_place_head,
-            self._on_placed,
-        )
-        self.read_rates = [setup.snic_bytes_per_s / self.kv_bytes_per_token for n in self.nodes]
-        self.fallback_prefill_tokens_per_s = self._fallback_rate()
-        self.attention_balance: list[tuple[float, float]] = []  # (time, max/avg) per multi-rank step
 
     def _node(self, n: int) -> Node:
         setup = self.setup
@@ -135,8 +160,6 @@ class ClusterBase:
         return Node(n, role, reads, writes, setup.model.dram_buffer_bytes)
 
     def _fallback_rate(self) -> float:
-        from loadgen.profiles import PROFILES
-
         targets = PROFILES[self.setup.profile_name].dualpath
         context, append = (int(targets.context), int(targets.append)) if targets else (16384, 512)
         is_prompt = self.setup.config.beta_rate == "prompt"
