@@ -6,6 +6,7 @@ stats     FILE [--format F] [--json]                        trace statistics und
 replay    --url URL --trace FILE [--mode offline|online]    replay against an OpenAI-compatible server
 compare   A.json B.json [--json]                            two results side by side, with ratios B/A
 plot      RESULT.json [...] --out-dir DIR                   PNG plots (several results overlay)
+sim       --model M --config xPyD --policy P [--sweep S]    cluster simulator (loadgen/sim/cli.py)
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def register(subparsers: Any) -> None:
     plot.add_argument("results", nargs="+", help="result JSON files (overlaid)")
     plot.add_argument("--out-dir", required=True, help="directory for the PNG files")
     plot.set_defaults(func=_guard(_plot))
+    from loadgen.sim.cli import register as register_sim
+
+    register_sim(sub)
 
 
 def _add_synth(sub: Any) -> None:
