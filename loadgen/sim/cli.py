@@ -22,7 +22,7 @@ from shared.errors import KvpathError
 
 SWEEPS = ("none", "fig8", "ablation", "cost", "capacity")
 # --sweep cost without these flags: the paper's largest run, for a short simulated stretch
-COST_DEFAULTS = {"model": "ds660b", "config": "48P96D", "agents": 49152, "max_sim_s": 20.0}
+COST_DEFAULTS = {"model": "ds660b", "config": "48P96D", "agents": 49152, "max_sim_s": 600.0}
 
 
 def register(subparsers: Any) -> None:

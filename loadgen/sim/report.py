@@ -53,6 +53,8 @@ def _cost(result: dict[str, Any]) -> list[str]:
         f"cores at the simulated pace: {result['cores']:.3f} (every round rebuilding all "
         f"{result['gpus']} engine snapshots, {result['fresh_snapshot_ms']:.2f} ms each: "
         f"{result['cores_rebuilding_snapshots']:.3f}); paper: under {result['paper']['cores_under']} cores",
+        f"at the paper's 48P96D pace ({result['paper']['placements_per_s']:.0f} placements/s), rebuilding "
+        f"snapshots: {result['cores_at_paper_rate']:.3f} cores",
     ]
 
 

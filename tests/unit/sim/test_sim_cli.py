@@ -69,3 +69,29 @@ def test_registered_in_the_kvpath_command() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "online" in proc.stdout and "TTFT last window" in proc.stdout
+
+
+def test_cost_sweep_times_the_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("--sweep", "cost", "--config", "2P2D", "--agents", "64", "--mal", "32k", "--max-sim-s", "10")
+    rc, text, _ = run(capsys, *argv, "--json", "-")
+    result = orjson.loads(text)
+    assert rc == 0 and result["config"] == "2P2D" and result["gpus"] == 32 and result["placements"] > 64
+    assert result["simulated_s"] == 10.0 and 0 < result["place_cpu_s"] <= result["round_cpu_s"]
+    assert result["cores"] == pytest.approx(result["round_cpu_s"] / 10.0)
+    rc, text, _ = run(capsys, *argv)
+    assert "Scheduler cost: 2P2D (32 GPUs), 64 agents" in text and "paper: under 10 cores" in text
+
+
+def test_ablation_and_capacity_sweeps(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, text, _ = run(capsys, "--sweep", "ablation", *TINY)
+    assert rc == 0 and "+scheduler (DualPath)" in text and "45.6%" in text
+    online = ("--agents", "1", "--mal", "32k", "--storage-ratio", "0.02", "--tpot-s", "0.002")
+    rc, text, _ = run(
+        capsys, "--sweep", "capacity", *online, "--duration-s", "200", "--aps", "0.2", "--json", "-"
+    )
+    result = orjson.loads(text)
+    assert rc == 0 and set(result["capacity"]) == {"basic", "dualpath"}
+    for row in result["capacity"].values():
+        assert 0 <= row["aps"] < row["first_failing_aps"]
+    # both read paths beat one: DualPath sustains more agents per second than Basic on 1P1D
+    assert result["ratio"] > 1

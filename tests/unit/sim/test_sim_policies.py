@@ -84,3 +84,16 @@ def test_every_turn_of_every_agent_completes() -> None:
     raw = ClusterSim(resolve(config), workload).run()
     assert len(raw.records) == workload.num_requests
     assert raw.num_waiting == 0 and all(t == t for t in raw.agent_finish_s)  # no NaN: every agent finished
+
+
+@pytest.mark.parametrize("config", ["1P1D", "1P2D"])
+def test_link_traffic_matches_equations_1_to_8(config: str) -> None:
+    # per-link rates charged hop by hop equal what Eqs. 1-8 give for the simulated per-path read rates; the
+    # simulator also counts the miss KV and persistence the analysis leaves out (a few percent here)
+    traffic = run("dualpath", config)["traffic"]
+    links, expected = traffic["links"], traffic["expected_from_analysis"]
+    for name in ("pe_cnic_read", "pe_cnic_write", "de_cnic_read", "de_cnic_write", "pe_dram", "de_dram"):
+        assert links[name]["mean_bytes_per_s"] == pytest.approx(expected[name], rel=0.12), name
+        assert links[name]["mean_bytes_per_s"] >= expected[name] * 0.999, name
+    # the range for this run's storage NIC (s = 0.02)
+    assert traffic["pd_in_range"] and traffic["bottleneck_free_pd"] == pytest.approx([0.02 / 7.98, 199.5])
