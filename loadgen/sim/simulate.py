@@ -72,10 +72,7 @@ def _resource_rows(result: dict[str, Any]) -> Rows:
         ("attention max/avg", _fmt(bal["attention_max_over_avg"])),
         ("read on DE side", f"{traffic['de_read_share']:.1%}"),
         ("SNIC read GB/s", per_node),
-        (
-            "peak link use",
-            ", ".join(f"{k} {v['max_utilization']:.0%}" for k, v in links.items() if "snic" not in k),
-        ),
+        ("peak link use", _peak_use(result)),
         (
             "scheduler",
             f"{sched['rounds']} rounds, {_fmt(sched['us_per_placement'], ' us')}/placement, "
@@ -83,6 +80,13 @@ def _resource_rows(result: dict[str, Any]) -> Rows:
         ),
         ("simulated", f"{_fmt(sim['end_s'], ' s', digits=5)} in {_fmt(sim['wall_s'], ' s')} wall"),
     ]
+
+
+def _peak_use(result: dict[str, Any]) -> str:
+    if result["setup"]["oracle"]:
+        return "- (oracle: I/O takes no time)"
+    links = result["traffic"]["links"]
+    return ", ".join(f"{k} {v['max_utilization']:.0%}" for k, v in links.items() if "snic" not in k)
 
 
 def format_summary(result: dict[str, Any]) -> str:
