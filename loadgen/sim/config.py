@@ -55,7 +55,7 @@ class SimConfig:
     dram_buffer_gb: float = doc(0.0, "DRAM buffer per node, GB; 0: the model's default")
     de_kv_gb: float = doc(0.0, "HBM for KV per decode GPU, GB; 0: the model's default")
     pe_kv_gb: float = doc(0.0, "HBM for KV per prefill GPU (non-layerwise batches), GB; 0: the model's")
-    max_concurrent_reads: int = doc(8, "reads in flight at once per storage NIC (the rest wait FIFO)")
+    max_concurrent_reads: int = doc(8, "reads in flight per storage NIC, the rest wait FIFO (0: no limit)")
     append_scale: float = doc(1.0, "multiply every append (trajectories end at the MAL)")
     gen_scale: float = doc(1.0, "multiply every generation (trajectories end at the MAL)")
     base_trajectories: int = doc(500, "agents replay this many base trajectories behind a random first round")
