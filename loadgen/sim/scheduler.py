@@ -38,7 +38,8 @@ MIN_WINDOW = 64
 
 @dataclass(slots=True)
 class SchedulerCost:
-    """Wall time spent deciding (snapshot + thresholds + place), rounds and placed requests."""
+    """Wall time spent deciding (snapshot + thresholds + place), rounds that called `place`, rounds skipped
+    as provably empty, and placed requests."""
 
     seconds: float = 0.0
     num_rounds: int = 0
@@ -92,12 +93,14 @@ class GlobalScheduler:
         self._last_round_s = self.loop.now
         if not self.fifo:
             return
+        cost = self.cost
+        skipped = cost.num_skipped
         started = time.perf_counter()
         placements = self.decide()
         elapsed = time.perf_counter() - started
-        cost = self.cost
         cost.seconds += elapsed
-        cost.num_rounds += 1
+        if cost.num_skipped == skipped:  # skipped rounds are counted apart
+            cost.num_rounds += 1
         cost.num_placed += len(placements)
         cost.max_round_s = max(cost.max_round_s, elapsed)
         by_id = {}
