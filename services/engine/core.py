@@ -59,7 +59,9 @@ class EngineCore:
         self.is_idle = asyncio.Event()  # no request in the engine (drain waits on it)
         self.is_idle.set()
         self.step_count = 0
-        self.prefill_rate = RateMeter()  # prefill tokens per second of prefill compute (DualPath's beta)
+        # prompt tokens (loaded + computed) per second of prefill: the unit of the router's tok_e, so DualPath's
+        # beta (tokens a PE processes in beta_s) counts a request's whole prompt, as the paper's len_r does
+        self.prefill_rate = RateMeter()
         self.outbox = TokenOutbox(engine_id, publish)
         self.is_draining = False
 
@@ -246,7 +248,7 @@ class EngineCore:
             metrics.PREFILL_STEP.observe(elapsed)
             metrics.PREFILL_BATCH_SIZE.observe(len(computed))
             metrics.PREFILL_TOKENS.inc(num_tokens)
-            self.prefill_rate.add(num_tokens, elapsed)
+            self.prefill_rate.add(num_tokens + sum(c.load_tokens for c in computed), elapsed)
         if plan.decode:
             t0 = time.perf_counter()
             dseqs = [

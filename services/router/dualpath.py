@@ -3,7 +3,7 @@
 Pure code: no I/O, no asyncio, no torch, no bus. The live router builds a `ClusterSnapshot` from load reports,
 calls a policy in `services/router/placement.py` and acts on the returned `Placement`s; the simulator in
 `loadgen/` calls the same functions on a simulated clock. Intra-engine PE batching lives in
-`services/router/batching.py`.
+`services/engine/batching.py`.
 
 Units: every load is in tokens (the paper balances on token counts because GPU, disk and network load all
 track them). `len_r` is the full prompt length (hit + miss tokens); a node's read queue is the hit tokens

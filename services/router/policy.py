@@ -1,7 +1,8 @@
 """Engine choice for the colocated policy, as a pure function over a load snapshot.
 
-The DualPath policies (PE/DE selection, read side) live in `services/router/dualpath.py`; both the live router
-and the simulator in `loadgen/` call these same functions.
+The DualPath policies live in `services/router/placement.py` (PE/DE selection, read side) over the snapshot
+types of `services/router/dualpath.py`, and the prefill engine's batching in `services/engine/batching.py`;
+both the live services and the simulator in `loadgen/sim` call these same functions.
 """
 
 from __future__ import annotations
