@@ -59,8 +59,8 @@ class EngineCore:
         self.is_idle = asyncio.Event()  # no request in the engine (drain waits on it)
         self.is_idle.set()
         self.step_count = 0
-        # prompt tokens (loaded + computed) per second of prefill: the unit of the router's tok_e, so DualPath's
-        # beta (tokens a PE processes in beta_s) counts a request's whole prompt, as the paper's len_r does
+        # prompt tokens (loaded + computed) per second of prefill: the unit of the router's tok_e, so
+        # DualPath's beta (tokens a PE processes in beta_s) counts whole prompts, as the paper's len_r does
         self.prefill_rate = RateMeter()
         self.outbox = TokenOutbox(engine_id, publish)
         self.is_draining = False
