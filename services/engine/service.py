@@ -46,9 +46,7 @@ class EngineService(Service):
         """The KV connector for this engine's role and config (None: recompute everything)."""
         cfg = self.config
         if cfg.role == "prefill":
-            from services.engine.prefill_connector import PrefillConnector
-
-            return PrefillConnector(
+            return PrefillConnectorT(
                 self.bus,
                 self.runner,
                 engine_id=self.service_id,
@@ -61,9 +59,7 @@ class EngineService(Service):
                 transfer_timeout_s=cfg.transfer_timeout_s,
             )
         if cfg.role == "decode":
-            from services.engine.decode_connector import DecodeConnector
-
-            return DecodeConnector(
+            return DecodeConnectorT(
                 self.bus,
                 self.runner,
                 engine_id=self.service_id,
