@@ -219,7 +219,7 @@ def _result(
     window_s: float,
     nodes: list[int],
 ) -> RunResult:
-    from services.router.dualpath import storage_balance
+    from loadgen.balance import storage_balance
 
     summary = result["summary"]
     requests = summary["requests"]

@@ -22,15 +22,8 @@ from loadgen.sim.requests import SimRequest
 from loadgen.sim.scheduler import GlobalScheduler
 from loadgen.sim.traffic import TrafficCounters
 from loadgen.sim.workload import Workload
-from services.router.dualpath import (
-    ROLE_DECODE,
-    ROLE_PREFILL,
-    EngineSnapshot,
-    NodeSnapshot,
-    Placement,
-    Thresholds,
-    thresholds_from_rates,
-)
+from services.policy.snapshot import ROLE_DECODE, ROLE_PREFILL, EngineSnapshot, NodeSnapshot, Placement
+from services.policy.thresholds import Thresholds, thresholds_from_rates
 from shared.errors import ConfigError
 
 
@@ -85,7 +78,6 @@ class ClusterBase:
             setup.config.fetch_period_s,
             self.snapshot_parts,
             self.thresholds,
-            self.can_place_head,
             self._on_placed,
         )
         # each node's storage service reports its configured bandwidth, as the live one does
@@ -191,20 +183,11 @@ class ClusterBase:
         nodes = tuple(NodeSnapshot(n.node, n.read_queue_tokens) for n in self.nodes)
         return tuple(engines), nodes
 
-    def can_place_head(self, thresholds: Thresholds, head: SimRequest) -> bool:
-        """False only when no policy could place the FIFO head now (no PE under beta, or no DE with room for
-        it), so the round is skipped without changing any decision."""
-        beta = thresholds.beta_tokens
-        need = head.pending.hbm_need_tokens
-        return any(e.unfinished_tokens <= beta for e in self.pes) and any(
-            d.free_kv_tokens >= need for d in self.des
-        )
-
     def thresholds(self) -> Thresholds:
         config = self.setup.config
         return thresholds_from_rates(
             self.read_rates,
-            [e.prefill_tokens_per_s for e in self.pes],
+            [e.prefill_rate.value for e in self.pes],
             alpha_s=config.alpha_s,
             beta_s=config.beta_s,
             z_factor=config.z_factor,

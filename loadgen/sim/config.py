@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from loadgen.profiles import PROFILES
 from loadgen.sim.models import GB, ModelSpec, get_model
-from services.router.placement import POLICIES
+from services.policy.placement import POLICIES
 from shared.config import check, doc
 from shared.errors import ConfigError
 

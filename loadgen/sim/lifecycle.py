@@ -19,7 +19,7 @@ from loadgen.sim.requests import SimRequest
 from loadgen.sim.scheduler import SchedulerCost
 from loadgen.sim.traffic import TrafficCounters
 from loadgen.sim.workload import hit_tokens
-from services.router.dualpath import PendingRequest, Placement, ReadSide
+from services.policy.snapshot import PendingRequest, Placement, ReadSide
 from shared.errors import KvpathError
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from services.engine.batching import AttentionShape, attention_flops
+from services.policy.batching import AttentionShape, attention_flops
 from shared.errors import ConfigError
 
 GB = 1e9

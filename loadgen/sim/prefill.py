@@ -19,7 +19,7 @@ from loadgen.sim.events import EventLoop
 from loadgen.sim.models import ModelSpec
 from loadgen.sim.pipeline import RankBatch, StepTiming, rank_attention_s, step_timing
 from loadgen.sim.requests import SimRequest
-from services.engine.batching import (
+from services.policy.batching import (
     AttentionProfile,
     AttentionSample,
     BatchingLimits,
@@ -27,9 +27,9 @@ from services.engine.batching import (
     fit_attention_profile,
     plan_prefill_batch,
 )
-from services.router.dualpath import ReadSide
+from services.policy.quota import RateMeter
+from services.policy.snapshot import ReadSide
 
-RATE_WEIGHT = 0.2  # the live engine's RateMeter weight
 EMPTY_RANK = RankBatch((), 0.0, 0.0)
 _PROFILE_CONTEXTS = (0, 1024, 4096, 16384, 32768, 65536)
 _PROFILE_NEW_TOKENS = (16, 64, 256, 1024, 4096)
@@ -68,7 +68,7 @@ class PrefillEngine:
         "model",
         "node",
         "num_unfinished",
-        "prefill_tokens_per_s",
+        "prefill_rate",
         "profile",
         "queue",
         "unfinished_tokens",
@@ -89,7 +89,7 @@ class PrefillEngine:
         self.queue: list[Work] = []
         self.num_unfinished = 0
         self.unfinished_tokens = 0
-        self.prefill_tokens_per_s = 0.0
+        self.prefill_rate = RateMeter()  # prompt (or computed) tokens per busy second, as a live PE
 
     def assign(self, request: SimRequest) -> None:
         self.num_unfinished += 1
@@ -149,12 +149,7 @@ class PrefillEngine:
             if work.remaining <= 0:
                 done.append(work.request)
         del self.queue[: len(done)]  # finished work is a FIFO prefix (only the last item may be chunked)
-        if duration_s > 0 and units > 0:
-            rate = units / duration_s
-            previous = self.prefill_tokens_per_s
-            self.prefill_tokens_per_s = (
-                rate if previous == 0 else (1 - RATE_WEIGHT) * previous + RATE_WEIGHT * rate
-            )
+        self.prefill_rate.add(units, duration_s)
         return done
 
 

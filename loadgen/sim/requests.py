@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.router.dualpath import PendingRequest, ReadSide
+from services.policy.snapshot import PendingRequest, ReadSide
 
 if TYPE_CHECKING:
     from loadgen.sim.decode import DecodeEngine

@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from loadgen.balance import storage_balance
 from loadgen.metrics import distribution
 from loadgen.sim.analysis import bottleneck_free_range, expected_link_rates
 from loadgen.sim.config import SimSetup
 from loadgen.sim.lifecycle import RawRun
 from loadgen.sim.requests import RECORD_FIELDS
-from services.router.dualpath import storage_balance
 
 COL = {name: i for i, name in enumerate(RECORD_FIELDS)}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loadgen.sim.requests import SimRequest
-from services.router.dualpath import ReadSide
+from services.policy.snapshot import ReadSide
 
 
 @dataclass(slots=True)

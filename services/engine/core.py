@@ -18,10 +18,11 @@ from services.engine import metrics, tracing
 from services.engine.config import EngineConfig
 from services.engine.connector import KvConnector, NullConnector
 from services.engine.outbox import Outgoing, Publish, TokenOutbox
-from services.engine.quota import RateMeter, quota_planner
 from services.engine.scheduler import EngineScheduler, StepPlan, blocks_for
 from services.engine.sequence import SeqStatus, Sequence
 from services.engine.stopping import check_stop
+from services.policy.batching import AttentionShape, BatchingLimits
+from services.policy.quota import QuotaPlanner, RateMeter
 from shared.errors import ContextLengthExceededError, InvalidRequestError, KvpathError, OverloadedError
 from shared.protocol import GenerateTask, SamplingParams, TaskAck, TokenDelta
 
@@ -395,3 +396,14 @@ class EngineCore:
 def _sampling(seq: Sequence) -> SamplingOptions:
     s = seq.sampling
     return SamplingOptions(temperature=s.temperature, top_p=s.top_p, seed=s.seed)
+
+
+def quota_planner(config: EngineConfig, runner: ModelRunner) -> QuotaPlanner | None:
+    """The compute-quota batch planner of a prefill engine (None: a plain token budget)."""
+    if config.role != "prefill" or config.compute_quota_s <= 0:
+        return None
+    spec = runner.spec
+    limits = BatchingLimits(
+        compute_quota_s=config.compute_quota_s, max_num_batched_tokens=config.max_num_batched_tokens
+    )
+    return QuotaPlanner(AttentionShape(num_q_heads=spec.num_heads, head_dim=spec.head_dim), limits)

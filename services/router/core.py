@@ -13,12 +13,12 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
+from services.policy.placement import pick_least_loaded
 from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.disagg import DisaggregatedDispatch
 from services.router.engines import EngineTable
 from services.router.kv_plan import KvPlanner
-from services.router.policy import EngineLoad, pick_least_loaded
 from services.router.prompts import PreparedPrompt
 from services.router.stops import StopMatcher
 from services.router.streams import RequestStream, StreamTable
@@ -106,25 +106,6 @@ class RouterCore:
 
     # -------------------------------------------------------------------------------------- dispatch
 
-    def snapshot(self, roles: tuple[str, ...]) -> list[EngineLoad]:
-        now = time.monotonic()
-        out = []
-        for state in self.engines.live(now, roles=roles):
-            r = state.report
-            out.append(
-                EngineLoad(
-                    engine_id=r.service_id,
-                    role=r.role,
-                    node=r.node,
-                    num_unfinished=r.num_running + r.num_waiting + state.pending_requests,
-                    unfinished_tokens=r.unfinished_tokens + state.pending_tokens,
-                    free_kv_blocks=r.free_kv_blocks,
-                    total_kv_blocks=r.total_kv_blocks,
-                    is_draining=r.is_draining,
-                )
-            )
-        return out
-
     async def _dispatch(self, task: GenerateTask, deadline: float) -> str:
         """The colocated `schedule` stage as a span (not made current: engine spans stay its siblings)."""
         span = telemetry.start_span("schedule", attributes=_COLOCATED)  # None while tracing is off
@@ -143,7 +124,8 @@ class RouterCore:
         tried: set[str] = set()
         refusal: KvpathError | None = None
         for _ in range(MAX_DISPATCH_ATTEMPTS):
-            candidates = [e for e in self.snapshot(("colocated",)) if e.engine_id not in tried]
+            engines = self.engines.engine_snapshots(self.config.block_size, ("colocated",))
+            candidates = [e for e in engines if e.engine_id not in tried]
             engine_id = pick_least_loaded(candidates)
             if engine_id is None:
                 break

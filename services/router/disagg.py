@@ -1,8 +1,9 @@
 """The live side of DualPath's global scheduler: a FIFO of requests waiting for a (PE, DE, read side).
 
-Every arrival and every load report triggers a placement round: a `ClusterSnapshot` is built from the latest
-load reports (engines, node storage queues) plus what the router sent since, the pure policy in
-`services/router/placement.py` decides, and each placed request's waiter wakes up with its `Placement`.
+Every arrival and every load report triggers a placement round: the engines' and nodes' snapshots are built
+from the latest load reports plus what the router sent since (`EngineTable`), the round function the
+simulator also runs (`services/policy/round.py`) decides, and each placed request's waiter wakes up with its
+`Placement`.
 Requests the policy cannot place yet (every PE above beta, no DE with room) wait here: that is the
 "schedule" part of the TTFT breakdown.
 """
@@ -10,29 +11,17 @@ Requests the policy cannot place yet (every PE above beta, no DE with room) wait
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from services.policy.round import RoundState, place_round
+from services.policy.snapshot import ROLE_PREFILL, PendingRequest, Placement
+from services.policy.thresholds import Thresholds, thresholds_from_rates
 from services.router import metrics
-from services.router.dualpath import (
-    ROLE_DECODE,
-    ROLE_PREFILL,
-    ClusterSnapshot,
-    EngineSnapshot,
-    NodeSnapshot,
-    PendingRequest,
-    Placement,
-    ReadSide,
-    RoundRobinState,
-    Thresholds,
-    thresholds_from_rates,
-)
 from services.router.engines import EngineTable
-from services.router.placement import place
 from services.router.prompts import PreparedPrompt
 from services.router.streams import StreamTable
 from shared import telemetry
@@ -68,7 +57,7 @@ class Dispatcher:
         self.engines = engines
         self.params = params
         self.queue: OrderedDict[str, _Waiting] = OrderedDict()
-        self.rr_state = RoundRobinState()
+        self.state = RoundState()
         self._kick = asyncio.Event()
         self.num_rounds = 0
 
@@ -103,39 +92,30 @@ class Dispatcher:
         waiting = [w for w in self.queue.values() if not w.future.done()]
         if not waiting:
             return 0
-        snapshot = self.snapshot(tuple(w.request for w in waiting))
-        missing = self.missing_roles(snapshot)
-        if missing:  # nothing can place them: fail fast (503) instead of waiting for the deadline
-            error = NoEngineAvailableError(f"no live {' or '.join(missing)} engine")
+        engines, nodes = self.engines.cluster_snapshot(self.params.block_size)
+        result = place_round(
+            self.params.policy,
+            engines,
+            nodes,
+            [w.request for w in waiting],
+            self.thresholds(),
+            self.state,
+            force_read_side=self.params.force_read_side,
+        )
+        if result.missing_roles:  # nothing can place them: fail fast (503), not at the deadline
+            error = NoEngineAvailableError(f"no live {' or '.join(result.missing_roles)} engine")
             for w in waiting:
                 w.future.set_exception(error)
             return 0
-        result = place(self.params.policy, snapshot, self.thresholds(snapshot), self.rr_state)
-        self.rr_state = result.rr_state
+        self.state = result.state
         self.num_rounds += 1
         for placement in result.placements:
             waiter = self.queue.get(placement.request_id)
             if waiter is None or waiter.future.done():
                 continue
-            placement = self._forced(placement, snapshot)
             self._note(placement, waiter.request)
             waiter.future.set_result(placement)
         return len(result.placements)
-
-    @staticmethod
-    def missing_roles(snapshot: ClusterSnapshot) -> list[str]:
-        roles = {e.role for e in snapshot.engines if not e.is_draining}
-        return [role for role in (ROLE_PREFILL, ROLE_DECODE) if role not in roles]
-
-    def _forced(self, placement: Placement, snapshot: ClusterSnapshot) -> Placement:
-        side = self.params.force_read_side
-        if not side or placement.read_side is None or placement.read_side.value == side:
-            return placement
-        engine_id = placement.pe_id if side == "pe" else placement.de_id
-        node = next(e.node for e in snapshot.engines if e.engine_id == engine_id)
-        if not any(n.node == node and n.is_storage_alive for n in snapshot.nodes):
-            return placement
-        return dataclasses.replace(placement, read_side=ReadSide(side), read_node=node)
 
     def _note(self, placement: Placement, request: PendingRequest) -> None:
         """Count the decision into the loads until the engines' next reports include it."""
@@ -146,41 +126,7 @@ class Dispatcher:
             if storage is not None:
                 self.engines.note_assigned(storage, placement.read_tokens)
 
-    # -------------------------------------------------------------------------------------- snapshot
-
-    def snapshot(self, queue: tuple[PendingRequest, ...]) -> ClusterSnapshot:
-        now = time.monotonic()
-        bs = self.params.block_size
-        engines = []
-        for st in self.engines.live(now, roles=(ROLE_PREFILL, ROLE_DECODE)):
-            r = st.report
-            engines.append(
-                EngineSnapshot(
-                    engine_id=r.service_id,
-                    role=r.role,
-                    node=r.node,
-                    group=f"node{r.node}",
-                    num_unfinished=r.num_running + r.num_waiting + st.pending_requests,
-                    unfinished_tokens=r.unfinished_tokens + st.pending_tokens,
-                    free_kv_tokens=max(0, r.free_kv_blocks * bs - st.pending_kv_tokens),
-                    is_draining=r.is_draining,
-                )
-            )
-        storage = {st.report.node: st for st in self.engines.live(now, roles=("storage",))}
-        nodes = []
-        for node in sorted({e.node for e in engines} | storage.keys()):
-            reader = storage.get(node)
-            queued = reader.report.read_queue_tokens + reader.pending_tokens if reader is not None else 0
-            nodes.append(
-                NodeSnapshot(
-                    node=node,
-                    read_queue_tokens=queued,
-                    is_storage_alive=reader is not None and not reader.report.is_draining,
-                )
-            )
-        return ClusterSnapshot(engines=tuple(engines), nodes=tuple(nodes), queue=queue)
-
-    def thresholds(self, snapshot: ClusterSnapshot) -> Thresholds:
+    def thresholds(self) -> Thresholds:
         now = time.monotonic()
         read_rates = []
         for st in self.engines.live(now, roles=("storage",)):

@@ -1,10 +1,19 @@
-"""The router's view of live engines, built from their load reports (pure bookkeeping, no I/O)."""
+"""The router's view of live engines, built from their load reports (pure bookkeeping, no I/O).
+
+It is also where the policies' snapshots come from: `cluster_snapshot` turns the latest reports, plus the work
+the router sent since, into the `EngineSnapshot`s / `NodeSnapshot`s every policy reads (one builder for the
+colocated and the disaggregated dispatch).
+"""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+from services.policy.snapshot import ENGINE_ROLES, EngineSnapshot, NodeSnapshot
 from shared.protocol import LoadReport
+
+ROLE_STORAGE = "storage"
 
 
 @dataclass(slots=True)
@@ -15,6 +24,19 @@ class EngineState:
     pending_requests: int = 0
     pending_tokens: int = 0
     pending_kv_tokens: int = 0
+
+    def snapshot(self, block_size: int) -> EngineSnapshot:
+        r = self.report
+        return EngineSnapshot(
+            engine_id=r.service_id,
+            role=r.role,
+            node=r.node,
+            group=f"node{r.node}",
+            num_unfinished=r.num_running + r.num_waiting + self.pending_requests,
+            unfinished_tokens=r.unfinished_tokens + self.pending_tokens,
+            free_kv_tokens=max(0, r.free_kv_blocks * block_size - self.pending_kv_tokens),
+            is_draining=r.is_draining,
+        )
 
 
 class EngineTable:
@@ -40,7 +62,7 @@ class EngineTable:
     def storage_of(self, node: int) -> str | None:
         """The service id of node `node`'s storage service, if it reports."""
         for sid, st in self._engines.items():
-            if st.report.role == "storage" and st.report.node == node:
+            if st.report.role == ROLE_STORAGE and st.report.node == node:
                 return sid
         return None
 
@@ -63,3 +85,26 @@ class EngineTable:
 
     def get(self, service_id: str) -> EngineState | None:
         return self._engines.get(service_id)
+
+    # ------------------------------------------------------------------------------------- snapshots
+
+    def engine_snapshots(
+        self, block_size: int, roles: tuple[str, ...] = ENGINE_ROLES
+    ) -> tuple[EngineSnapshot, ...]:
+        """Every live engine of `roles` as the policies see it."""
+        return tuple(st.snapshot(block_size) for st in self.live(time.monotonic(), roles=roles))
+
+    def cluster_snapshot(
+        self, block_size: int
+    ) -> tuple[tuple[EngineSnapshot, ...], tuple[NodeSnapshot, ...]]:
+        """Live engines and every node that has an engine or a storage service: its read queue (reported
+        plus sent since) and whether its storage answers."""
+        engines = self.engine_snapshots(block_size)
+        storage = {st.report.node: st for st in self.live(time.monotonic(), roles=(ROLE_STORAGE,))}
+        nodes = []
+        for node in sorted({e.node for e in engines} | storage.keys()):
+            reader = storage.get(node)
+            queued = reader.report.read_queue_tokens + reader.pending_tokens if reader is not None else 0
+            is_alive = reader is not None and not reader.report.is_draining
+            nodes.append(NodeSnapshot(node=node, read_queue_tokens=queued, is_storage_alive=is_alive))
+        return engines, tuple(nodes)

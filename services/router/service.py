@@ -107,8 +107,7 @@ class RouterService(Service):
 
     def health(self) -> dict[str, Any]:
         details = super().health()
-        engines = self.core.snapshot(("colocated", "prefill", "decode"))
-        details["engines"] = len(engines)
+        details["engines"] = len(self.core.engines.engine_snapshots(self.config.block_size))
         details["inflight"] = self.core.inflight
         return details
 

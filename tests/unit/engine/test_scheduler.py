@@ -166,8 +166,8 @@ def test_planner_decides_the_prefill_batch_and_keeps_fifo() -> None:
 
 
 def test_quota_planner_learns_the_profile_and_chunks_to_the_quota() -> None:
-    from services.engine.batching import AttentionShape, BatchingLimits, attention_flops
-    from services.engine.quota import REFIT_EVERY, QuotaPlanner
+    from services.policy.batching import AttentionShape, BatchingLimits, attention_flops
+    from services.policy.quota import REFIT_EVERY, QuotaPlanner
 
     shape = AttentionShape(num_q_heads=4, head_dim=16)
     quota = QuotaPlanner(shape, BatchingLimits(compute_quota_s=0.01, max_num_batched_tokens=4096))

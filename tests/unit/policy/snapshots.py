@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from services.router.dualpath import (
+from services.policy.snapshot import (
     ROLE_DECODE,
     ROLE_PREFILL,
     ClusterSnapshot,
     EngineSnapshot,
     NodeSnapshot,
     PendingRequest,
-    Thresholds,
 )
+from services.policy.thresholds import Thresholds
 
 BIG_HBM = 10**9
 

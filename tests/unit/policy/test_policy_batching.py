@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.batching import (
+from services.policy.batching import (
     PRIOR_PROFILE,
     AttentionProfile,
     AttentionSample,

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from services.router.dualpath import Thresholds, storage_balance, thresholds_from_rates
+from loadgen.balance import storage_balance
+from services.policy.thresholds import Thresholds, thresholds_from_rates
 from shared.errors import ConfigError, KvpathError
 
 

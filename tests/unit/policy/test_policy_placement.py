@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.dualpath import (
+from services.policy.placement import choose_read_side, place, place_basic, place_dualpath
+from services.policy.snapshot import (
     ClusterSnapshot,
     EngineSnapshot,
     PendingRequest,
@@ -12,7 +13,6 @@ from services.router.dualpath import (
     ReadSide,
     RoundRobinState,
 )
-from services.router.placement import choose_read_side, place, place_basic, place_dualpath
 from shared.errors import ConfigError, KvpathError
 from tests.unit.policy.snapshots import de, limits, node, pe, req, snap
 
@@ -160,5 +160,5 @@ def test_inconsistent_snapshots_are_refused() -> None:
         snap([pe("p", 0, 0), de("p", 0, 0)], [node(0)], [])
     with pytest.raises(KvpathError, match="hit_tokens=11"):
         PendingRequest("r", 10, 11, 20)
-    with pytest.raises(KvpathError, match="role 'colocated'"):
-        EngineSnapshot("e", "colocated", 0, "g", 0, 0)
+    with pytest.raises(KvpathError, match="role 'storage'"):
+        EngineSnapshot("e", "storage", 0, "g", 0, 0)

@@ -142,7 +142,7 @@ async def test_a_stream_waiting_for_tokens_still_ends_at_its_deadline(
         core = RouterCore(RouterConfig(**common, request_deadline_s=0.6), bus, "router-t")
         await bus.subscribe_raw(bus.subjects.tokens("router-t"), handlers.token_batch_handler(core))
         await bus.subscribe_raw(bus.subjects.load_all, handlers.load_report_handler(core))
-        await _until(lambda: bool(core.snapshot(("colocated",))))
+        await _until(lambda: bool(core.engines.engine_snapshots(64, ("colocated",))))
         tokenizer = load_tokenizer(load_model_spec("tiny", None).model_dir)
         request = GenerationRequest(
             endpoint="completions", model="tiny", prompt_token_ids=[1, 2], max_tokens=99

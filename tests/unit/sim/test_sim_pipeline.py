@@ -14,7 +14,7 @@ from loadgen.sim.models import ModelSpec
 from loadgen.sim.pipeline import RankBatch, layerwise_finish_s, non_layerwise_finish_s, step_timing
 from loadgen.sim.requests import RECORD_FIELDS
 from loadgen.sim.workload import AgentPlan, Workload
-from services.engine.batching import AttentionShape
+from services.policy.batching import AttentionShape
 
 
 def test_layerwise_transfer_bound_and_compute_bound() -> None:

@@ -1,5 +1,5 @@
-"""The simulator's scheduler is the router's: the very `place` / `plan_prefill_batch` functions, and its
-windowed rounds decide exactly what `place` over the whole FIFO decides."""
+"""The simulator's scheduler is the router's: the very round function / `plan_prefill_batch`, and a windowed
+round decides exactly what `place` over the whole FIFO decides."""
 
 from __future__ import annotations
 
@@ -10,18 +10,20 @@ import pytest
 
 import loadgen.sim.prefill
 import loadgen.sim.scheduler
-import services.engine.batching
-import services.router.placement
+import services.policy.batching
+import services.policy.round
 from loadgen.sim.config import SimConfig, resolve
 from loadgen.sim.lifecycle import ClusterSim
 from loadgen.sim.workload import build_workload
-from services.router.dualpath import ClusterSnapshot, Thresholds
-from services.router.placement import POLICIES, place
+from services.policy.placement import POLICIES, place
+from services.policy.round import RoundState, place_round
+from services.policy.snapshot import ClusterSnapshot
+from services.policy.thresholds import Thresholds
 
 
 def test_the_simulator_imports_the_live_policies() -> None:
-    assert loadgen.sim.scheduler.place is services.router.placement.place
-    assert loadgen.sim.prefill.plan_prefill_batch is services.engine.batching.plan_prefill_batch
+    assert loadgen.sim.scheduler.place_round is services.policy.round.place_round
+    assert loadgen.sim.prefill.plan_prefill_batch is services.policy.batching.plan_prefill_batch
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -38,13 +40,12 @@ def test_windowed_round_equals_place_over_the_whole_queue(policy: str) -> None:
     thresholds = dataclasses.replace(sim.thresholds(), beta_tokens=beta)
     assert isinstance(thresholds, Thresholds)
     engines, nodes = sim.snapshot_parts()
-    whole = ClusterSnapshot(engines, nodes, tuple(r.pending for r in scheduler.fifo))
-    expected = place(policy, whole, thresholds, scheduler.rr_state)
-    assert 0 < len(expected.placements) < len(scheduler.fifo)
-    scheduler._thresholds = lambda: thresholds
-    rr_state = scheduler.rr_state
+    queue = tuple(r.pending for r in scheduler.fifo)
+    rr_state = scheduler.state.rr
+    expected = place(policy, ClusterSnapshot(engines, nodes, queue), thresholds, rr_state)
+    assert 0 < len(expected.placements) < len(queue)
     for window in (1, 2, 3, 64):
-        scheduler._window = window
-        scheduler.rr_state = rr_state
-        assert tuple(scheduler.decide()) == expected.placements, window
-        assert scheduler.rr_state == expected.rr_state
+        result = place_round(policy, engines, nodes, queue, thresholds, RoundState(rr_state, window))
+        assert result.placements == expected.placements, window
+        assert result.state.rr == expected.rr_state
+        assert not result.is_skipped and not result.missing_roles

@@ -1,12 +1,13 @@
 """A prefill engine's compute quota (DualPath §5.5): plan each batch with the pure batching policy, learn the
-attention-time profile from the batches it ran."""
+attention-time profile from the batches it ran; and the rate meter behind DualPath's beta.
+
+No I/O and no clock: the engine passes the measured seconds in, the simulator its simulated ones."""
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
 
-from services.engine.batching import (
+from services.policy.batching import (
     PRIOR_PROFILE,
     AttentionProfile,
     AttentionSample,
@@ -16,7 +17,6 @@ from services.engine.batching import (
     fit_attention_profile,
     plan_prefill_batch,
 )
-from services.engine.config import EngineConfig
 
 MAX_SAMPLES = 256
 REFIT_EVERY = 8
@@ -58,24 +58,16 @@ class QuotaPlanner:
             self.profile = fit_attention_profile(list(self._samples), self.shape, self._prior)
 
 
-def quota_planner(config: EngineConfig, runner: Any) -> QuotaPlanner | None:
-    """The compute-quota batch planner of a prefill engine (None: a plain token budget)."""
-    if config.role != "prefill" or config.compute_quota_s <= 0:
-        return None
-    arch = runner.arch
-    head_dim = arch.qk_nope_head_dim + arch.qk_rope_head_dim if arch.attention == "mla" else arch.head_dim
-    limits = BatchingLimits(
-        compute_quota_s=config.compute_quota_s, max_num_batched_tokens=config.max_num_batched_tokens
-    )
-    return QuotaPlanner(AttentionShape(num_q_heads=arch.num_heads, head_dim=head_dim), limits)
+RATE_WEIGHT = 0.2  # weight of the newest sample
 
 
 class RateMeter:
-    """Exponentially weighted work rate (units per busy second)."""
+    """Exponentially weighted work rate (units per busy second): a PE's prefill rate, which its load report
+    carries and the router turns into beta (the simulator keeps one per simulated PE)."""
 
     __slots__ = ("_weight", "value")
 
-    def __init__(self, weight: float = 0.2) -> None:
+    def __init__(self, weight: float = RATE_WEIGHT) -> None:
         self._weight = weight
         self.value = 0.0
 

@@ -1,7 +1,8 @@
 """Inter-engine placement (brief 5.2-5.4): which PE and DE serve a queued request, which side reads its KV.
 
-Pure code over a `ClusterSnapshot` (see `services/router/dualpath.py`); a round decides as many requests as
-can be placed now and returns them as a FIFO prefix of the queue. Three policies share the rules:
+Pure code over a `ClusterSnapshot` (`services/policy/snapshot.py`); a round decides as many requests as
+can be placed now and returns them as a FIFO prefix of the queue. `services/policy/round.py` runs a round for
+the live router and the simulator alike. Three disaggregated policies share the rules:
 
 * `dualpath`: PE by alpha/beta categories and fewest tokens, DE by the two-level rule with threshold Z, read
   side = the shorter node read queue.
@@ -29,7 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from services.router.dualpath import (
+from services.policy.snapshot import (
+    ROLE_COLOCATED,
     ROLE_DECODE,
     ROLE_PREFILL,
     ClusterSnapshot,
@@ -39,11 +41,12 @@ from services.router.dualpath import (
     PlacementRound,
     ReadSide,
     RoundRobinState,
-    Thresholds,
 )
+from services.policy.thresholds import Thresholds
 from shared.errors import ConfigError
 
-POLICIES = ("dualpath", "basic", "dualpath-rr")
+COLOCATED = "colocated"
+POLICIES = ("dualpath", "basic", "dualpath-rr")  # disaggregated: a PE, a DE and a read side per request
 
 
 @dataclass(slots=True)
@@ -75,6 +78,18 @@ class _Loads:
 
 def _active(snapshot: ClusterSnapshot, role: str) -> list[EngineSnapshot]:
     return [e for e in snapshot.with_role(role) if not e.is_draining]
+
+
+# ------------------------------------------------------------------------------------------ colocated
+
+
+def pick_least_loaded(engines: Sequence[EngineSnapshot], *, role: str = ROLE_COLOCATED) -> str | None:
+    """The `colocated` policy: fewest unfinished tokens, then fewest requests, then id (deterministic);
+    None when no engine of `role` takes work (none live, or all draining)."""
+    candidates = [e for e in engines if e.role == role and not e.is_draining]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda e: (e.unfinished_tokens, e.num_unfinished, e.engine_id)).engine_id
 
 
 # ------------------------------------------------------------------------------------------ PE (5.2)

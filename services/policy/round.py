@@ -1,0 +1,132 @@
+"""One placement round: the function the live router's dispatcher and the simulator's scheduler both call.
+
+Inputs are a snapshot of the engines and nodes, the FIFO of waiting requests (head first), the thresholds and
+the state carried from the previous round; the output is the placements (a FIFO prefix of the queue), the
+state for the next round, and why nothing was placed when nothing could be. Pure: no clock, no I/O.
+
+Three things beyond `placement.place`, none of which changes a decision:
+* Missing roles: with no live prefill or decode engine nothing can be placed; the result says which role is
+  missing, so the live router fails its waiters at once (503) instead of at their deadline.
+* Skipped rounds: when the FIFO's head fits nowhere (no PE under beta, or no DE with room for it), every
+  policy places nothing, so `place` is not called (`is_skipped`).
+* A window at the head of the FIFO instead of all of it. Placements are a FIFO prefix, and under `dualpath` /
+  `basic` everything after the PE stage looks only at the requests that got a PE, so the window's result
+  equals the whole queue's unless the PE stage used the whole window; then the window doubles and the round
+  is redone. Under `dualpath-rr` each request depends only on those before it, so a window that is not fully
+  placed is exact too. The window adapts to recent rounds (`RoundState.window`). `tests/unit/sim` checks the
+  equality.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from itertools import islice
+
+from services.policy.placement import place, select_prefill_engines
+from services.policy.snapshot import (
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    ClusterSnapshot,
+    EngineSnapshot,
+    NodeSnapshot,
+    PendingRequest,
+    Placement,
+    ReadSide,
+    RoundRobinState,
+)
+from services.policy.thresholds import Thresholds
+
+MIN_WINDOW = 64
+
+
+@dataclass(frozen=True, slots=True)
+class RoundState:
+    """Carried from round to round: the round-robin cursors and the FIFO window size."""
+
+    rr: RoundRobinState = field(default_factory=RoundRobinState)
+    window: int = MIN_WINDOW
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """`placements` in FIFO order (the caller removes them from its queue); `missing_roles` non-empty: no live
+    engine of that role, nothing can be placed until one reports; `is_skipped`: the head fits nowhere now."""
+
+    placements: tuple[Placement, ...]
+    state: RoundState
+    missing_roles: tuple[str, ...] = ()
+    is_skipped: bool = False
+
+
+def place_round(
+    policy: str,
+    engines: tuple[EngineSnapshot, ...],
+    nodes: tuple[NodeSnapshot, ...],
+    queue: Collection[PendingRequest],
+    thresholds: Thresholds,
+    state: RoundState,
+    *,
+    force_read_side: str = "",
+) -> RoundResult:
+    """One round of a disaggregated `policy` (one of `placement.POLICIES`) over `queue` (head first).
+
+    `force_read_side` ("pe" | "de", experiments): read on that side whenever its node's storage is alive.
+    """
+    missing = _missing_roles(engines)
+    if missing:
+        return RoundResult((), state, missing_roles=missing)
+    head = next(iter(queue), None)
+    if head is None:
+        return RoundResult((), state)
+    if not _can_place(head, engines, thresholds):
+        return RoundResult((), state, is_skipped=True)
+    window = state.window
+    while True:
+        snapshot = ClusterSnapshot(engines=engines, nodes=nodes, queue=tuple(islice(queue, window)))
+        is_partial = len(snapshot.queue) < len(queue)
+        if is_partial and policy != "dualpath-rr" and _pe_stage_fills(policy, snapshot, thresholds):
+            window *= 2
+            continue
+        result = place(policy, snapshot, thresholds, state.rr)
+        if is_partial and policy == "dualpath-rr" and len(result.placements) == len(snapshot.queue):
+            window *= 2
+            continue
+        break
+    placements = result.placements
+    if force_read_side:
+        placements = tuple(_forced(p, snapshot, ReadSide(force_read_side)) for p in placements)
+    next_window = max(MIN_WINDOW, 2 * len(placements), window // 2)
+    return RoundResult(placements, RoundState(result.rr_state, next_window))
+
+
+def _missing_roles(engines: tuple[EngineSnapshot, ...]) -> tuple[str, ...]:
+    roles = {e.role for e in engines if not e.is_draining}
+    return tuple(role for role in (ROLE_PREFILL, ROLE_DECODE) if role not in roles)
+
+
+def _can_place(head: PendingRequest, engines: tuple[EngineSnapshot, ...], thresholds: Thresholds) -> bool:
+    """False only when no policy could place the FIFO head now: no PE under beta, or no DE with room."""
+    beta = thresholds.beta_tokens
+    live = [e for e in engines if not e.is_draining]
+    return any(e.role == ROLE_PREFILL and e.unfinished_tokens <= beta for e in live) and any(
+        e.role == ROLE_DECODE and e.free_kv_tokens >= head.hbm_need_tokens for e in live
+    )
+
+
+def _pe_stage_fills(policy: str, snapshot: ClusterSnapshot, thresholds: Thresholds) -> bool:
+    """Whether the PE stage gave every request of the window a PE (then a bigger window may place more)."""
+    pe_ids = select_prefill_engines(snapshot, thresholds, use_read_queue_categories=policy == "dualpath")
+    return len(pe_ids) >= len(snapshot.queue)
+
+
+def _forced(placement: Placement, snapshot: ClusterSnapshot, side: ReadSide) -> Placement:
+    """`placement` reading on `side` instead, when it reads at all and that side's storage is alive."""
+    if placement.read_side is None or placement.read_side is side:
+        return placement
+    engine_id = placement.pe_id if side is ReadSide.PE else placement.de_id
+    node = next(e.node for e in snapshot.engines if e.engine_id == engine_id)
+    if not any(n.node == node and n.is_storage_alive for n in snapshot.nodes):
+        return placement
+    return dataclasses.replace(placement, read_side=side, read_node=node)
