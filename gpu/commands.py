@@ -1,6 +1,7 @@
-"""CLI: `kvpath generate` (offline generation, the first smoke test of a checkpoint) and `kvpath bench model`.
+"""CLI: `kvpath generate` (offline generation, the first smoke test of a checkpoint).
 
-torch and transformers are imported inside the command functions so `kvpath --help` stays fast.
+torch is imported inside the command function so `kvpath --help` stays fast. `add_runtime_args` is shared
+with `kvpath bench model` (loadgen/bench/model.py), which times the runtime with gpu/timing.py.
 """
 
 from __future__ import annotations
@@ -30,24 +31,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same tokens)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
-    _add_runtime_args(parser)
+    add_runtime_args(parser)
     parser.set_defaults(func=_generate_command)
 
 
-def register_bench(subparsers: Any) -> None:
-    parser = subparsers.add_parser("model", help="prefill/decode tokens/s next to transformers generate")
-    parser.add_argument("--models", default="tiny,tiny-mla", help="comma-separated models")
-    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
-    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
-    parser.add_argument("--new-tokens", type=int, default=32, help="decode steps per sequence")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per figure (the best is reported)")
-    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    parser.add_argument("--json", dest="json_path", default=None, help="also write the results to this file")
-    _add_runtime_args(parser)
-    parser.set_defaults(func=_bench_command)
-
-
-def _add_runtime_args(parser: argparse.ArgumentParser) -> None:
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default per device)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -77,8 +65,8 @@ def _sampling(args: argparse.Namespace) -> Any:
     if args.temperature is None and args.top_p is None and args.seed is None:
         return SamplingOptions(temperature=0.0)
     temperature = 1.0 if args.temperature is None else args.temperature
-    return SamplingOptions(
-        temperature=temperature, top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed
+    return SamplingOptions.seeded(
+        args.seed, temperature=temperature, top_p=1.0 if args.top_p is None else args.top_p
     )
 
 
@@ -137,30 +125,3 @@ async def _generate(args: argparse.Namespace, stream: Callable[[str], None]) -> 
         return generated, runner.tokenizer.decode(generated)
     finally:
         runner.close()
-
-
-def _bench_command(args: argparse.Namespace) -> int:
-    import torch
-
-    from gpu.bench import BenchConfig, format_table, rows_json, run_bench
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    config = BenchConfig(
-        models=[m for m in args.models.split(",") if m],
-        batch_sizes=[int(b) for b in args.batch_sizes.split(",") if b],
-        prompt_len=args.prompt_len,
-        new_tokens=args.new_tokens,
-        repeats=args.repeats,
-        device=args.device,
-        dtype=args.dtype,
-        with_transformers=not args.no_transformers,
-        cache_dir=args.cache_dir,
-    )
-    rows = run_bench(config)
-    print(f"torch threads: {torch.get_num_threads()}, device: {config.device}, best of {config.repeats}")
-    print(format_table(rows))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            f.write(rows_json(rows, config))
-    return 0

@@ -86,6 +86,9 @@ class ModelRunner:
         )
         self._sampler = Sampler()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpath-model")
+        # what makes this cache's KV interchangeable with another's (salts block hashes; engines announce it)
+        self.fingerprint = spec.fingerprint(self.dtype, self.block_size)
+        self.kv_bytes_per_token = spec.num_layers * kv.bytes_per_token_layer
 
     @classmethod
     def load(
@@ -101,7 +104,10 @@ class ModelRunner:
         num_threads: int | None = None,
     ) -> ModelRunner:
         """Load weights and tokenizer, and allocate the paged cache (`num_kv_blocks`, or as many blocks as
-        fit in `kv_cache_bytes`, or a default: 256 MiB on CPU, half the free GPU memory on CUDA)."""
+        fit in `kv_cache_bytes`, or a default: 256 MiB on CPU, half the free GPU memory on CUDA). `device`
+        "auto" picks CUDA when it is available, else the CPU."""
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device={device!r} requested but CUDA is not available", param="device")
         dtype = dtype or default_dtype(device)
@@ -211,10 +217,6 @@ class ModelRunner:
         return self.model.forward(batch, self.kv.tensor)
 
     # ---------------------------------------------------------------------------------------- lifecycle
-
-    def release(self, seq_id: str) -> None:
-        """Drop per-request sampling state (its seeded generator)."""
-        self._sampler.release(seq_id)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

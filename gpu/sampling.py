@@ -1,8 +1,9 @@
 """Token sampling for a batch: greedy, temperature, top-p, banned tokens; reproducible per request seed.
 
-Each seeded request owns a `random.Random(seed)` that yields one uniform number per sampled token; the
-draw itself (inverse CDF over the top-p-truncated sorted distribution) is batched in torch. So a request's
-tokens depend only on its seed and its logits, not on what else shares the batch.
+Each seeded request owns a `random.Random(seed)` (`SamplingOptions.generator`, kept by whoever owns the
+request: the engine's `Sequence`) that yields one uniform number per sampled token; the draw itself (inverse
+CDF over the top-p-truncated sorted distribution) is batched in torch. So a request's tokens depend only on
+its seed and its logits, not on what else shares the batch. The sampler keeps no per-request state.
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 class SamplingOptions:
     temperature: float = 1.0  # 0 => greedy
     top_p: float = 1.0
-    seed: int | None = None  # per-request generator seeded once; same seed => same tokens
+    # the request's own uniform source, one draw per sampled token (same seed => same tokens); None: the
+    # sampler's shared unseeded one
+    generator: random.Random | None = None
+
+    @classmethod
+    def seeded(cls, seed: int | None, *, temperature: float = 1.0, top_p: float = 1.0) -> SamplingOptions:
+        """Options with a fresh generator for `seed` (None: unseeded). Reuse the object for every token of
+        one request; a new request needs new options."""
+        generator = random.Random(seed) if seed is not None else None
+        return cls(temperature=temperature, top_p=top_p, generator=generator)
 
     def check(self) -> None:
         if not self.temperature >= 0:
@@ -44,20 +54,11 @@ class SampleRequest:
 
 class Sampler:
     def __init__(self) -> None:
-        self._rngs: dict[str, random.Random] = {}
         self._unseeded = random.Random()
 
-    def release(self, seq_id: str) -> None:
-        self._rngs.pop(seq_id, None)
-
     def _uniform(self, request: SampleRequest) -> float:
-        seed = request.options.seed
-        if seed is None:
-            return self._unseeded.random()
-        rng = self._rngs.get(request.seq_id)
-        if rng is None:
-            rng = self._rngs[request.seq_id] = random.Random(seed)
-        return rng.random()
+        generator = request.options.generator
+        return (generator or self._unseeded).random()
 
     def sample(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> list[int]:
         """One token per row of `logits` [B, vocab] (fp32, modified in place by bans)."""

@@ -2,5 +2,6 @@
 against any OpenAI-compatible server, metrics, result JSON, comparisons and plots (see README.md here).
 
 Pure cores: `trace`, `formats`, `content`, `synth`, `profiles`, `stats`, `sessions`, `plan`, `metrics`,
-`report`. Async shell: `client` (HTTP/SSE), `replay` (the engine), `runner` (signals, files). CLI: `cli`.
+`report`, `sse` (the event stream parser). Async shell: `client` (HTTP/SSE, also used by the benchmarks),
+`replay` (the engine), `runner` (signals, files). CLI: `cli`. Benchmarks (`kvpath bench ...`): `bench/`.
 """

@@ -1,14 +1,18 @@
-"""OpenAI-compatible streaming client that times every token (aiohttp).
+"""The OpenAI-compatible streaming client of the load generator and the benchmarks (aiohttp).
 
 One POST per call to /v1/completions or /v1/chat/completions with `stream: true` and
 `stream_options.include_usage` (the final chunk's usage carries prompt_tokens_details.cached_tokens).
 Exact lengths: `max_tokens` plus, unless turned off for servers that reject unknown fields, the vLLM-style
-`ignore_eos` and `min_tokens`. The agent's session goes in the `X-Session-Id` header.
+`ignore_eos` and `min_tokens`; `want_token_ids` adds `return_token_ids` (kvpath and vLLM list each chunk's
+token ids). The agent's session goes in the `X-Session-Id` header. The SSE framing is `loadgen.sse`'s.
 
 A stream chunk is token-bearing when its choice carries text (completions) or delta content (chat) or token
 ids, except a chat chunk that only opens the message (role) and an empty chunk that only carries the
-finish_reason; an empty string counts (a byte of a multi-byte character). The first such chunk stamps TTFT,
-the second TTST, the gaps between them are ITL samples.
+finish_reason; an empty string counts (a byte of a multi-byte character). Where the server lists the chunk's
+`token_ids`, they decide alone: the chunk carries that many tokens (several when the server coalesced them),
+none when the list is empty; otherwise a token-bearing chunk counts as one token. All chunks of one network
+read share its arrival time. The first token-bearing chunk stamps TTFT, the second TTST, the gaps between
+them are ITL samples; the record also keeps every such chunk's arrival time and token count.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import orjson
 
 from loadgen.metrics import CallRecord
 from loadgen.sessions import CallOutput, CallRequest
+from loadgen.sse import SseParser
 from shared.errors import ServiceUnavailableError
 
 
@@ -103,7 +108,7 @@ class OpenAIClient:
             record.error, record.error_code = "request deadline exceeded", "timeout"
         except aiohttp.ClientError as exc:
             record.error, record.error_code = f"{type(exc).__name__}: {exc}", "connection_error"
-        except ValueError as exc:  # a chunk that is not JSON, or a line past the reader's limit
+        except ValueError as exc:  # a chunk that is not JSON, or a line past the parser's limit
             record.error, record.error_code = f"malformed stream: {exc}", "bad_stream"
         finally:
             if record.error is None and record.t_end_s is None:
@@ -114,39 +119,36 @@ class OpenAIClient:
         texts: list[str] = []
         ids: list[int] = []
         usage: dict[str, Any] | None = None
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                record.t_end_s = self.now()
-                break
-            chunk = orjson.loads(data)
-            if "error" in chunk:
-                err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
-                record.error = str(err.get("message", "stream error"))
-                record.error_code = str(err.get("code") or "stream_error")
-                return CallOutput(ok=False)
-            usage = chunk.get("usage") or usage
-            is_token, text, chunk_ids = self._token_content(chunk)
-            if is_token:
-                self._stamp_token(record)
-                texts.append(text)
-                ids.extend(chunk_ids)
+        parser = SseParser()
+        async for data in resp.content.iter_any():
+            if record.t_end_s is not None:
+                continue  # after [DONE]: read to the end all the same, so the connection can be reused
+            arrived_s = self.now()
+            for payload in parser.feed(data):
+                if payload == b"[DONE]":
+                    record.t_end_s = arrived_s
+                    break
+                chunk = orjson.loads(payload)
+                if "error" in chunk:
+                    _record_stream_error(record, chunk["error"])
+                    return CallOutput(ok=False)
+                usage = chunk.get("usage") or usage
+                num_tokens, text, chunk_ids = self._token_content(chunk)
+                if num_tokens:
+                    _stamp_tokens(record, arrived_s, num_tokens)
+                    texts.append(text)
+                    ids.extend(chunk_ids)
         _apply_usage(record, usage)
         if record.output_tokens == 0:
-            record.output_tokens = record.token_chunks
+            record.output_tokens = sum(record.chunk_tokens)
         return CallOutput(ok=record.t_end_s is not None, text="".join(texts), token_ids=ids or None)
 
-    def _token_content(self, chunk: dict[str, Any]) -> tuple[bool, str, list[int]]:
-        """(is a token, its text, its ids). An empty text counts as a token unless the chunk only opens the
-        message (chat role) or only closes it (finish_reason)."""
+    def _token_content(self, chunk: dict[str, Any]) -> tuple[int, str, list[int]]:
+        """(tokens the chunk carries, its text, its ids); see the module docstring."""
         choices = chunk.get("choices") or []
         if not choices:
-            return False, "", []
+            return 0, "", []
         choice = choices[0]
-        ids = list(choice.get("token_ids") or [])
         if self.endpoint == "chat":
             delta = choice.get("delta") or {}
             text = delta.get("content")
@@ -154,23 +156,34 @@ class OpenAIClient:
         else:
             text = choice.get("text")
             empty_ok = True
-        if ids or text:
-            return True, text or "", ids
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            return len(ids), text or "", ids
+        if text:
+            return 1, text, []
         is_token = text is not None and empty_ok and choice.get("finish_reason") is None
-        return is_token, "", []
+        return int(is_token), "", []
 
-    def _stamp_token(self, record: CallRecord) -> None:
-        t = self.now()
-        if record.t_first_s is None:
-            record.t_first_s = t
-        else:
-            if record.t_second_s is None:
-                record.t_second_s = t
-            gap = t - (record.t_last_token_s or t)
-            record.itl_s.append(gap)
-            record.itl_max_s = max(record.itl_max_s or 0.0, gap)
-        record.t_last_token_s = t
-        record.token_chunks += 1
+
+def _stamp_tokens(record: CallRecord, t: float, num_tokens: int) -> None:
+    if record.t_first_s is None:
+        record.t_first_s = t
+    else:
+        if record.t_second_s is None:
+            record.t_second_s = t
+        gap = t - (record.t_last_token_s or t)
+        record.itl_s.append(gap)
+        record.itl_max_s = max(record.itl_max_s or 0.0, gap)
+    record.t_last_token_s = t
+    record.token_chunks += 1
+    record.chunk_times_s.append(t)
+    record.chunk_tokens.append(num_tokens)
+
+
+def _record_stream_error(record: CallRecord, error: Any) -> None:
+    err = error if isinstance(error, dict) else {"message": str(error)}
+    record.error = str(err.get("message", "stream error"))
+    record.error_code = str(err.get("code") or "stream_error")
 
 
 def _apply_usage(record: CallRecord, usage: dict[str, Any] | None) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 PERCENTILES = (50, 90, 95, 99)
+_IN_MEMORY_ONLY = ("itl_s", "chunk_times_s", "chunk_tokens")
 
 
 @dataclass(slots=True)
@@ -33,7 +34,7 @@ class CallRecord:
     t_second_s: float | None = None
     t_last_token_s: float | None = None
     t_end_s: float | None = None
-    output_tokens: int = 0  # usage.completion_tokens, else token-bearing chunks
+    output_tokens: int = 0  # usage.completion_tokens, else the tokens of the token-bearing chunks
     token_chunks: int = 0
     prompt_tokens: int | None = None  # server-reported
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
@@ -43,7 +44,11 @@ class CallRecord:
     error: str | None = None
     error_code: str | None = None
     itl_max_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)  # kept in memory, not in the result JSON
+    # kept in memory, not in the result JSON: the gaps between token-bearing chunks, and each such chunk's
+    # arrival time and token count (its token ids when the server sends them, else 1)
+    itl_s: list[float] = field(default_factory=list)
+    chunk_times_s: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -81,7 +86,8 @@ class CallRecord:
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        del out["itl_s"]
+        for key in _IN_MEMORY_ONLY:
+            del out[key]
         for key in ("ttft_s", "ttst_s", "tpot_s", "e2e_s"):
             out[key] = getattr(self, key)
         return out

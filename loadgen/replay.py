@@ -156,7 +156,8 @@ class Replayer:
     def _on_record(self, record: CallRecord) -> None:
         self.progress.on_record(record, self.client.now())
         self.state.itl_s.extend(record.itl_s)
-        record.itl_s = []
+        # the ITL samples now live in the state; a long run must not keep every chunk twice
+        record.itl_s, record.chunk_times_s, record.chunk_tokens = [], [], []
         if record.ok and record.ttft_s is not None:
             self.state.ttft_samples.append((record.t_start_s, record.ttft_s))
         if not record.ok:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import numpy.typing as npt
 
+from loadgen.lengths import Lengths, lengths_stats
 from loadgen.sampling import (
     lognormal_draws,
     lognormal_params,
@@ -32,8 +33,6 @@ from loadgen.sampling import (
     round_lengths,
     stratified_uniforms,
 )
-
-Lengths = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]  # (append per round, gen per round)
 
 _FIT_AGENTS = 2000
 _FIT_SEED = 20260226
@@ -120,8 +119,6 @@ def _lognormal_unit(z: npt.NDArray[np.float64], cv: float) -> npt.NDArray[np.flo
 @functools.lru_cache(maxsize=16)
 def fit_dualpath(targets: DualPathTargets, iterations: int = 40) -> DualPathShape:
     """The shape whose reference sample reproduces `targets` (all five means within 0.1 %)."""
-    from loadgen.stats import lengths_stats
-
     t = targets
     shape = DualPathShape(t.max_len, t.turns, 0.7, t.gen, max(1.0, 2 * t.context - t.total), t.total)
     for _ in range(iterations):

@@ -6,8 +6,10 @@
   kvpath loadgen ...             agentic trace synthesis, replay and reports
   kvpath bench <what> ...        benchmarks that print numbers
 
-Subcommands register themselves from their own modules; heavy imports (torch) happen only when a
-subcommand runs, so `kvpath --help` stays fast.
+This module registers the commands of its own floor and the ones below it (serve, up, generate). Packages
+above services (loadgen) add theirs through the entry-point group `kvpath.commands` of the installed
+distribution (pyproject.toml): each entry is a `register(subparsers)` function, so services never imports
+them. Heavy imports (torch) happen only when a subcommand runs, so `kvpath --help` stays fast.
 """
 
 from __future__ import annotations
@@ -16,19 +18,12 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from importlib.metadata import EntryPoint, entry_points
 
-# modules with `register(subparsers)` adding top-level subcommands
-_COMMAND_MODULES = ("services.launcher", "gpu.commands", "loadgen.cli")
-# modules with `register_bench(subparsers)` adding `kvpath bench <name>`
-_BENCH_MODULES: tuple[str, ...] = (
-    "gpu.commands",
-    "shared.transport.bench",
-    "services.storage.bench",
-    "services.index.bench",
-    "services.router.bench",
-    "services.bench_dualpath",
-    "services.bench_tracing",
-)
+from gpu import commands as gpu_commands
+from services.up import launcher
+
+PLUGIN_GROUP = "kvpath.commands"
 # `kvpath serve <name>` runs `<module>.main(argv)`
 SERVICE_MODULES = {
     "router": "services.router.__main__",
@@ -38,19 +33,30 @@ SERVICE_MODULES = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, with_plugins: bool = True) -> argparse.ArgumentParser:
+    """The whole `kvpath` parser; `with_plugins=False` leaves out the commands of higher floors."""
     parser = argparse.ArgumentParser(prog="kvpath", description=__doc__.split("\n\n")[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser("serve", help="run one service in the foreground", add_help=False)
     serve.add_argument("service", choices=sorted(SERVICE_MODULES), help="which service")
     serve.set_defaults(func=_run_service)
-    for name in _COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
-    bench = sub.add_parser("bench", help="benchmarks (print numbers)")
-    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for name in _BENCH_MODULES:
-        importlib.import_module(name).register_bench(bench_sub)
+    launcher.register(sub)
+    gpu_commands.register(sub)
+    if with_plugins:
+        for plugin in plugin_commands():
+            plugin.load()(sub)
     return parser
+
+
+def plugin_commands() -> list[EntryPoint]:
+    """The `kvpath.commands` entry points, by name; none means kvpath is not installed, which is an error."""
+    found = sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: e.name)
+    if not found:
+        raise SystemExit(
+            f"kvpath: no commands registered in the entry-point group {PLUGIN_GROUP!r}; the kvpath package "
+            "is not installed in this environment (run `make venv`, or `pip install -e .`)"
+        )
+    return found
 
 
 def _run_service(args: argparse.Namespace, rest: list[str]) -> int:
@@ -60,12 +66,12 @@ def _run_service(args: argparse.Namespace, rest: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
     if argv[:1] == ["serve"]:
-        # everything after the service name belongs to that service's own parser
-        args, _ = parser.parse_known_args(argv[:2])
+        # everything after the service name belongs to that service's own parser; a service starts
+        # without importing the commands of higher floors
+        args, _ = build_parser(with_plugins=False).parse_known_args(argv[:2])
         return _run_service(args, argv[2:])
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     result = args.func(args)
     return int(result or 0)
 

@@ -18,6 +18,18 @@ import numpy as np
 Buffer = memoryview | mmap.mmap | bytearray | np.ndarray
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens (the last one may be partial)."""
+    return -(-num_tokens // block_size)
+
+
+def max_hit_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """The most leading full blocks of a prompt whose KV may be loaded instead of computed: the block holding
+    the last prompt token is always computed, because that token's logits sample the first output token.
+    The router caps index hits with it, engines check plans against it, the simulator caps its hits."""
+    return max(0, (num_prompt_tokens - 1) // block_size)
+
+
 @dataclass(slots=True, frozen=True)
 class BlockLayout:
     """Geometry of one model's KV blocks (all sizes in bytes unless the name says otherwise)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import aiohttp
 
-from services.up_process import UpProcess
+from services.up.process import UpProcess
 from shared.bus import Bus, Registry
 from shared.natsserver import NatsServer
 from shared.protocol import ServiceInfo

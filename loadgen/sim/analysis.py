@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loadgen.sim.models import ModelSpec
+from loadgen.sim.models import SimModel
 from shared.errors import ConfigError
 
 TABLE1_APPEND_TOKENS = 429
@@ -26,7 +26,7 @@ def bottleneck_free_range(
 
 
 def cache_compute_ratio(
-    model: ModelSpec, context_tokens: int, append_tokens: int = TABLE1_APPEND_TOKENS
+    model: SimModel, context_tokens: int, append_tokens: int = TABLE1_APPEND_TOKENS
 ) -> float:
     """GB of KV to load per PFLOP of prefill of one turn (Table 1): context KV / (append x FLOPs/token)."""
     kv_gb = context_tokens * model.kv_bytes_per_token / 1e9

@@ -15,7 +15,7 @@ from loadgen.sim.config import SimSetup
 from loadgen.sim.decode import DecodeEngine
 from loadgen.sim.events import EventLoop
 from loadgen.sim.fluid import FluidLink
-from loadgen.sim.models import ModelSpec
+from loadgen.sim.models import SimModel
 from loadgen.sim.pipeline import StepTiming
 from loadgen.sim.prefill import PrefillEngine, PrefillGroup, profile_attention
 from loadgen.sim.requests import SimRequest
@@ -47,7 +47,7 @@ class Node:
 
 
 def nominal_prefill_tokens_per_s(
-    model: ModelSpec, context_tokens: int, append_tokens: int, count_prompt: bool
+    model: SimModel, context_tokens: int, append_tokens: int, count_prompt: bool
 ) -> float:
     """A PE's rate on a typical turn, alone on its GPU: what beta uses before any step is measured."""
     layer_s = (

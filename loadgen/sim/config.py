@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, replace
 
 from loadgen.profiles import PROFILES
-from loadgen.sim.models import GB, ModelSpec, get_model
+from loadgen.sim.models import GB, SimModel, get_model
 from services.policy.placement import POLICIES
 from shared.config import check, doc
 from shared.errors import ConfigError
@@ -109,7 +109,7 @@ class SimSetup:
     """The numbers one run uses, resolved from a `SimConfig` (bandwidths in bytes/s)."""
 
     config: SimConfig
-    model: ModelSpec
+    model: SimModel
     num_prefill_nodes: int
     num_decode_nodes: int
     gpus_per_node: int

@@ -20,6 +20,7 @@ from loadgen.sim.scheduler import SchedulerCost
 from loadgen.sim.traffic import TrafficCounters
 from loadgen.sim.workload import hit_tokens
 from services.policy.snapshot import PendingRequest, Placement, ReadSide
+from shared.blocks import max_hit_blocks
 from shared.errors import KvpathError
 
 
@@ -104,7 +105,7 @@ class ClusterSim(ClusterBase):
         plan = self.workload.plans[agent]
         prompt = context + plan.appends[turn]
         block = self.setup.config.block_size
-        hit = min(hit_tokens(context, block), (prompt - 1) // block * block)  # at least one token computes
+        hit = min(hit_tokens(context, block), max_hit_blocks(prompt, block) * block)
         gen = plan.gens[turn]
         pending = PendingRequest(f"{agent}:{turn}", prompt, hit, prompt + gen)
         request = SimRequest(agent, turn, prompt, hit, gen, pending, arrival_s=self.loop.now)
@@ -113,7 +114,8 @@ class ClusterSim(ClusterBase):
     def _on_placed(self, request: SimRequest, placement: Placement) -> None:
         request.placed_s = self.loop.now
         pe, de = self.pe_by_id[placement.pe_id], self.de_by_id[placement.de_id]
-        request.pe, request.de = pe, de
+        request.pe_index, request.pe_node = pe.index, pe.node
+        request.de_index, request.de_node = de.index, de.node
         request.read_side = placement.read_side
         request.read_node = -1 if placement.read_node is None else placement.read_node
         request.read_tokens = placement.read_tokens if placement.read_side is not None else 0
@@ -131,8 +133,7 @@ class ClusterSim(ClusterBase):
         """Give DRAM buffers to waiting requests, first fit in placement order."""
         still: list[SimRequest] = []
         for request in self.alloc_wait:
-            assert request.pe is not None and request.de is not None
-            pe_node, de_node = self.nodes[request.pe.node], self.nodes[request.de.node]
+            pe_node, de_node = self.nodes[request.pe_node], self.nodes[request.de_node]
             if de_node.can_hold(request.de_buffer_bytes) and pe_node.can_hold(request.pe_buffer_bytes):
                 de_node.buffer_used_bytes += request.de_buffer_bytes
                 pe_node.buffer_used_bytes += request.pe_buffer_bytes
@@ -161,16 +162,15 @@ class ClusterSim(ClusterBase):
         if request.read_node >= 0:
             self.nodes[request.read_node].read_queue_tokens -= request.read_tokens
             self.scheduler.request_round()
-        assert request.pe is not None
-        request.pe.add_work(request)
-        self.group_of[request.pe.engine_id].kick()
+        pe = self.pes[request.pe_index]
+        pe.add_work(request)
+        self.group_of[pe.engine_id].kick()
 
     def _on_prefilled(self, request: SimRequest) -> None:
         request.first_token_s = self.loop.now
-        assert request.pe is not None and request.de is not None
-        request.pe.release(request)
+        self.pes[request.pe_index].release(request)
         self.traffic.prefill(request)
-        self._free_buffer(request.pe.node, request.pe_buffer_bytes)
+        self._free_buffer(request.pe_node, request.pe_buffer_bytes)
         self.scheduler.request_round()
         if request.gen_tokens <= 1:
             request.finish_s = self.loop.now
@@ -181,15 +181,13 @@ class ClusterSim(ClusterBase):
         self.loop.after(tail_s, self._start_h2d, request)
 
     def _start_h2d(self, request: SimRequest) -> None:
-        assert request.de is not None
-        request.de.h2d.start(request.de_buffer_bytes, partial(self._on_h2d_done, request))
+        self.des[request.de_index].h2d.start(request.de_buffer_bytes, partial(self._on_h2d_done, request))
 
     def _on_h2d_done(self, request: SimRequest) -> None:
-        assert request.de is not None
         self.traffic.decode_h2d(request)
-        self._free_buffer(request.de.node, request.de_buffer_bytes)
+        self._free_buffer(request.de_node, request.de_buffer_bytes)
         if request.gen_tokens > 1:
-            request.de.join(request)
+            self.des[request.de_index].join(request)
         else:
             self._release_decode(request)
 
@@ -199,14 +197,13 @@ class ClusterSim(ClusterBase):
 
     def _release_decode(self, request: SimRequest) -> None:
         """The DE is done with the request: free its HBM and persist the blocks that filled."""
-        assert request.de is not None
-        request.de.release(request)
+        self.des[request.de_index].release(request)
         block = self.setup.config.block_size
         num_blocks = (request.prompt_tokens + request.gen_tokens) // block - request.hit_tokens // block
         num_bytes = num_blocks * block * self.kv_bytes_per_token
         if num_bytes > 0:
             self.traffic.persist(request, num_bytes)
-            self.nodes[request.de.node].snic_write.start(num_bytes, _nothing)
+            self.nodes[request.de_node].snic_write.start(num_bytes, _nothing)
         self.scheduler.request_round()
 
     def _finish_turn(self, request: SimRequest) -> None:

@@ -33,8 +33,10 @@ class DecodeModel:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """What the simulator needs of a model. Capacities are per GPU (one engine per GPU)."""
+class SimModel:
+    """A model as the simulator runs it: its KV and compute geometry plus the per-GPU speeds and capacities
+    of a deployment (one engine per GPU). Not the runtime's `gpu.model_spec.ModelSpec` (a checkpoint kvpath
+    serves): these presets describe models at paper scale that only the simulator runs."""
 
     name: str
     description: str
@@ -95,7 +97,7 @@ class ModelSpec:
 # kv_a 2560x576, kv_b 512x32x256, o 32x128x2560), indexer 5.5M: 131.8M x 30 = 3.95B. Weights ~27 GB FP8
 # over EP8. Decode: ~20 ms per step (EP all-to-all, launches); per sequence the top-k KV (1024 x 656 B x 30
 # = 20 MB, ~6 us at 3.35 TB/s) and per context token the indexer keys (~2 KB, ~0.6 ns), padded for overheads.
-DS27B = ModelSpec(
+DS27B = SimModel(
     name="ds27b",
     description="DS 27B: downscaled DeepSeek-V3.2 (MLA + DSA top-k 1024), 30 layers, EP+DP, 1P1D",
     num_layers=30,
@@ -117,7 +119,7 @@ DS27B = ModelSpec(
 # ~30 GB. Decode: per sequence the top-k KV (2048 x 656 B x 61 = 82 MB, ~25 us), per context token the
 # indexer keys (~8 KB, ~2.4 ns); the fixed part is set so a step is ~35 ms at the paper's loads (Table 3:
 # TPOT 36-39 ms).
-DS660B = ModelSpec(
+DS660B = SimModel(
     name="ds660b",
     description="DS 660B: DeepSeek-V3.2 (MLA + DSA top-k 2048), 61 layers, EP+DP, 2P4D",
     num_layers=61,
@@ -135,7 +137,7 @@ DS660B = ModelSpec(
 # Qwen2.5-32B: 64 layers, GQA 40 query / 8 KV heads x 128, FP16 KV (256 KiB/token), 32.5B params, DP only.
 # [INF] FP8 weights (DeepGEMM) leave ~39 GB for KV; decode reads its weights (32.5 GB: ~10 ms) and every
 # context token's 256 KiB of KV (78 ns) from 3.35 TB/s HBM.
-QWEN32B = ModelSpec(
+QWEN32B = SimModel(
     name="qwen32b",
     description="Qwen2.5-32B: dense GQA, FP16 KV, 64 layers, DP only, 1P2D",
     num_layers=64,
@@ -154,7 +156,7 @@ QWEN32B = ModelSpec(
 
 # Table 1 only (brief 6.4): not simulated configurations, kept to check the FLOP model.
 REFERENCE_MODELS = {
-    "gpt-oss-120b": ModelSpec(
+    "gpt-oss-120b": SimModel(
         name="gpt-oss-120b",
         description="GPT-OSS-120B: 18 full-attention layers of 36, FP8 KV",
         num_layers=36,
@@ -163,7 +165,7 @@ REFERENCE_MODELS = {
         active_params=5.1e9,
         attention_shape=AttentionShape(num_q_heads=64, head_dim=64),
     ),
-    "qwen3-235b": ModelSpec(
+    "qwen3-235b": SimModel(
         name="qwen3-235b",
         description="Qwen3-235B-A22B: 94 layers, GQA 4 KV heads, FP8 KV",
         num_layers=94,
@@ -181,10 +183,10 @@ REFERENCE_MODELS = {
     ),
 }
 
-MODELS: dict[str, ModelSpec] = {m.name: m for m in (DS27B, DS660B, QWEN32B)}
+MODELS: dict[str, SimModel] = {m.name: m for m in (DS27B, DS660B, QWEN32B)}
 
 
-def get_model(name: str) -> ModelSpec:
+def get_model(name: str) -> SimModel:
     try:
         return MODELS[name]
     except KeyError:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from loadgen.sim.models import ModelSpec
+from loadgen.sim.models import SimModel
 
 
 def layerwise_finish_s(
@@ -60,12 +60,12 @@ class StepTiming:
         return max(self.attention_s) * len(self.attention_s) / total
 
 
-def rank_attention_s(model: ModelSpec, pairs: Sequence[tuple[int, int]]) -> float:
+def rank_attention_s(model: SimModel, pairs: Sequence[tuple[int, int]]) -> float:
     return sum(model.attention_layer_flops(c, b) for c, b in pairs) / model.attention_flops_per_s
 
 
 def step_timing(
-    model: ModelSpec,
+    model: SimModel,
     ranks: Sequence[RankBatch],
     *,
     is_layerwise: bool,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from loadgen.sim.config import SimSetup
 from loadgen.sim.events import EventLoop
-from loadgen.sim.models import ModelSpec
+from loadgen.sim.models import SimModel
 from loadgen.sim.pipeline import RankBatch, StepTiming, rank_attention_s, step_timing
 from loadgen.sim.requests import SimRequest
 from services.policy.batching import (
@@ -35,7 +35,7 @@ _PROFILE_CONTEXTS = (0, 1024, 4096, 16384, 32768, 65536)
 _PROFILE_NEW_TOKENS = (16, 64, 256, 1024, 4096)
 
 
-def profile_attention(model: ModelSpec) -> AttentionProfile:
+def profile_attention(model: SimModel) -> AttentionProfile:
     """The planner's attention profile, fitted once over single-request batches of a grid of shapes."""
     samples = [
         AttentionSample(((cached, new),), rank_attention_s(model, ((cached, new),)))

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from services.policy.snapshot import PendingRequest, ReadSide
-
-if TYPE_CHECKING:
-    from loadgen.sim.decode import DecodeEngine
-    from loadgen.sim.prefill import PrefillEngine
 
 NAN = math.nan
 
@@ -34,8 +29,11 @@ class SimRequest:
     first_token_s: float = NAN
     second_token_s: float = NAN
     finish_s: float = NAN
-    pe: PrefillEngine | None = None
-    de: DecodeEngine | None = None
+    # where it was placed: positions in the cluster's engine lists (-1: not placed yet) and their nodes
+    pe_index: int = -1
+    de_index: int = -1
+    pe_node: int = -1
+    de_node: int = -1
     read_side: ReadSide | None = None
     read_node: int = -1
     read_tokens: int = 0

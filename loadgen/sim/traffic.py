@@ -40,11 +40,10 @@ class TrafficCounters:
 
     def prefill(self, request: SimRequest) -> None:
         """Everything the request's prefill moved, charged when its last chunk is done."""
-        assert request.pe is not None and request.de is not None
         hit = request.read_tokens * self.kv_bytes_per_token
         miss = (request.prompt_tokens - request.read_tokens) * self.kv_bytes_per_token
-        pe, de = request.pe.index, request.de.index
-        pe_node, de_node = request.pe.node, request.de.node
+        pe, de = request.pe_index, request.de_index
+        pe_node, de_node = request.pe_node, request.de_node
         if request.read_side is ReadSide.DE:
             self._add(self.dram, de_node, hit + miss)  # DE buffer -> CNIC (3), miss KV back into it
             self._add(self.de_cnic_read, de, hit)  # (3)
@@ -63,15 +62,13 @@ class TrafficCounters:
 
     def decode_h2d(self, request: SimRequest) -> None:
         """DE buffer -> DE HBM through the DE's CNIC (PE path 8-9, DE path 6-7)."""
-        assert request.de is not None
         whole = request.prompt_tokens * self.kv_bytes_per_token
-        self._add(self.dram, request.de.node, whole)
-        self._add(self.de_cnic_read, request.de.index, whole)
-        self._add(self.de_cnic_write, request.de.index, whole)
+        self._add(self.dram, request.de_node, whole)
+        self._add(self.de_cnic_read, request.de_index, whole)
+        self._add(self.de_cnic_write, request.de_index, whole)
 
     def persist(self, request: SimRequest, num_bytes: float) -> None:
         """New full blocks: DE HBM -> CNIC -> DRAM -> SNIC (the SNIC link counts its own bytes)."""
-        assert request.de is not None
-        self._add(self.de_cnic_read, request.de.index, num_bytes)
-        self._add(self.de_cnic_write, request.de.index, num_bytes)
-        self._add(self.dram, request.de.node, 2 * num_bytes)
+        self._add(self.de_cnic_read, request.de_index, num_bytes)
+        self._add(self.de_cnic_write, request.de_index, num_bytes)
+        self._add(self.dram, request.de_node, 2 * num_bytes)

@@ -1,65 +1,92 @@
-"""The seam between an engine and KV that lives outside it (storage, other engines).
+"""The seam between an engine and the KV that lives outside it (storage, other engines).
 
-The engine core calls a connector at four points of a request's life; implementations move the bytes
-(`storage_connector.py`: the block store; the DualPath connectors: the PE/DE data plane). `NullConnector` is
-the reference implementation: no external KV, everything is recomputed and nothing is persisted.
+One connector per role, each a complete implementation of the hooks below (no role inherits another's):
+`NullConnector` (this file: the reference; no external KV, everything recomputed, nothing persisted),
+`ColocatedConnector` (the node's block store), `PrefillConnector` and `DecodeConnector` (DualPath's PE and
+DE over the KV data plane). The engine core calls the hooks at fixed points of a request's life:
 
-Ownership: the connector owns whatever it reads (buffer leases) until `release`; the engine owns the
-sequence's cache blocks and never frees them while a connector call that reads them is in progress.
+  accept      on admission, with the task: take the role's part of it (reserve buffers; a DE names the
+              buffer its PE streams into), or refuse by raising
+  load        before the request is scheduled: fetch its stored prefix (a DE: wait for its PE's stream)
+  layer_hook  per prefill step: supply loaded KV layer by layer, stream computed layers out
+  import_prefilled  a DE's load-only chunk: copy a prompt prefilled elsewhere into the cache
+  save        after every step: persist blocks that filled
+  failure     after a step: the request's external KV failed (it ends with that error)
+  finish      the request is done: what its last token delta must wait for (blocks durable, DONE notice)
+  release     the request left (finished, failed, preempted): drop what is held for it
+  serve_pull  another engine asks for a stored prefix this one read (a DE on the DE read path)
+
+Ownership: a connector keeps its per-request record in `seq.kv_state` (no maps of its own keyed by request
+id); it owns what it reads (buffer leases, extents) until `release`; the engine owns the cache blocks and
+never frees them while a connector call that reads them is in progress.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Awaitable
 from collections.abc import Sequence as Seq
 
 from gpu.runner import LayerHook
 from services.engine.scheduler import PrefillChunk
 from services.engine.sequence import Sequence
-from shared.errors import KvpathError
+from shared.errors import InvalidRequestError, KvpathError
+from shared.protocol.tasks import BufferRef, GenerateTask, PullHits, PullHitsReply, Task
 
 
-class KvConnector:
-    async def start(self) -> None:
+class KvConnector(abc.ABC):
+    task_type: type[Task] = GenerateTask  # the task kind an engine with this connector takes
+    serves_pulls = False  # whether `serve_pull` answers (the engine then subscribes to pulls)
+
+    async def start(self) -> None:  # noqa: B027 (optional hook)
         """Open connections and buffers. Called once before the first request."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027
         """Release everything. Called once on engine stop, after the last step."""
 
-    async def prepare(self, seq: Sequence) -> None:
-        """Before the sequence is scheduled: fetch its stored prefix (if any) and set `seq.num_hit_tokens`.
-
-        Called once per request, concurrently with engine steps; must not raise for a missing or corrupt
-        prefix (that is a miss: leave num_hit_tokens at 0 or shorter) and must respect `seq.deadline_unix_s`.
-        """
-
-    def layer_hook(self, chunks: Seq[PrefillChunk]) -> LayerHook | None:
-        """A hook supplying the loaded prefix layer by layer for this step; None if nothing to load."""
+    def accept(self, seq: Sequence, task: Task) -> BufferRef | None:
+        """Take the role's part of `task` on admission (before `load`); the buffer a peer must write into,
+        if any, goes back in the ack. Raise a KvpathError (e.g. OverloadedError) to refuse the task."""
         return None
 
-    def after_step(self, seqs: Seq[Sequence]) -> None:
-        """After a step changed these sequences' caches: persist blocks that became full.
+    @abc.abstractmethod
+    async def load(self, seq: Sequence) -> None:
+        """Before the sequence is scheduled: fetch its stored prefix and set `seq.num_hit_tokens`.
+
+        Called once per request, concurrently with engine steps; a missing or corrupt prefix is a miss
+        (num_hit_tokens stays 0 or shorter), never an error; must respect `seq.deadline_unix_s`."""
+
+    @abc.abstractmethod
+    def layer_hook(self, chunks: Seq[PrefillChunk]) -> LayerHook | None:
+        """The hook for this prefill step (loaded prefix in, computed layers out); None: nothing to do."""
+
+    def import_prefilled(self, chunks: Seq[PrefillChunk]) -> None:
+        """Copy the KV of prompts prefilled elsewhere (load-only chunks) into the cache."""
+        raise InvalidRequestError(f"{type(self).__name__} cannot take over prefilled prompts")
+
+    @abc.abstractmethod
+    def save(self, seqs: Seq[Sequence]) -> None:
+        """After a step changed these sequences' caches: persist the blocks that became full.
 
         Runs on the event loop between steps, so the blocks are stable; it may copy out of the cache
-        synchronously and must hand any slow I/O to a task of its own.
-        """
+        synchronously and must hand any slow I/O to a task of its own."""
 
-    def import_only(self, chunks: Seq[PrefillChunk]) -> None:
-        """Copy the KV of prompts prefilled elsewhere (load-only chunks) into the cache. Decode engines."""
-        raise NotImplementedError(f"{type(self).__name__} cannot take over prefilled prompts")
-
-    def failures(self) -> dict[str, KvpathError]:
-        """Requests whose external KV failed during the last step (they end with that error)."""
-        return {}
-
-    def release(self, seq: Sequence) -> None:
-        """The sequence finished, failed or was preempted: drop what is held for it (read leases)."""
+    def failure(self, seq: Sequence) -> KvpathError | None:
+        """The error the sequence's external KV hit during the last step, if any (it then fails)."""
+        return None
 
     def finish(self, seq: Sequence) -> Awaitable[None] | None:
         """The sequence finished (`seq.finish_reason` is set; its blocks are still allocated and may be
-        copied out synchronously here). Return an awaitable if its last delta must wait for it (e.g. until
-        its blocks are durable), else None. Either way the connector forgets the sequence afterwards."""
+        copied out synchronously here). Return an awaitable if its last delta must wait for it, else None.
+        Either way the connector is done with the sequence's record afterwards (`release` follows)."""
         return None
+
+    def release(self, seq: Sequence) -> None:  # noqa: B027
+        """The sequence finished, failed or was preempted: drop what is held for it (read leases)."""
+
+    async def serve_pull(self, seq: Sequence, msg: PullHits) -> PullHitsReply:
+        """Stream the stored prefix this engine read for `seq` to the asking engine (DE read path)."""
+        raise InvalidRequestError(f"engine does not serve prefix pulls ({type(self).__name__})")
 
     def stats(self) -> dict[str, float]:
         return {}
@@ -67,3 +94,12 @@ class KvConnector:
 
 class NullConnector(KvConnector):
     """No external KV: every prompt token is computed, nothing persists."""
+
+    async def load(self, seq: Sequence) -> None:
+        return None
+
+    def layer_hook(self, chunks: Seq[PrefillChunk]) -> LayerHook | None:
+        return None
+
+    def save(self, seqs: Seq[Sequence]) -> None:
+        return None

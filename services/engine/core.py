@@ -2,7 +2,8 @@
 
 One asyncio task runs the step loop; model compute happens in the runner's worker thread, so the event loop
 keeps serving tasks, aborts and load reports while a step computes. Aborts and deadlines are applied between
-steps, in one place (`_apply_aborts`). Tokens of one step go out as one `TokenBatch` per router.
+steps, in one place (`_apply_aborts`), and a request leaves in one place (`_finish`). Tokens of one step go
+out as one `TokenBatch` per router.
 """
 
 from __future__ import annotations
@@ -15,16 +16,19 @@ from typing import Any
 
 from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq, SamplingOptions
 from services.engine import metrics, tracing
+from services.engine.admission import check_kv_plan, check_prompt
 from services.engine.config import EngineConfig
 from services.engine.connector import KvConnector, NullConnector
 from services.engine.outbox import Outgoing, Publish, TokenOutbox
-from services.engine.scheduler import EngineScheduler, StepPlan, blocks_for
+from services.engine.scheduler import EngineScheduler, PrefillChunk, StepPlan
 from services.engine.sequence import SeqStatus, Sequence
 from services.engine.stopping import check_stop
 from services.policy.batching import AttentionShape, BatchingLimits
 from services.policy.quota import QuotaPlanner, RateMeter
-from shared.errors import ContextLengthExceededError, InvalidRequestError, KvpathError, OverloadedError
-from shared.protocol import GenerateTask, SamplingParams, TaskAck, TokenDelta
+from shared.errors import InvalidRequestError, KvpathError, OverloadedError
+from shared.hashing import fingerprint_seed
+from shared.protocol import KvFormat, TaskAck, TokenDelta
+from shared.protocol.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,12 @@ class EngineCore:
         self.runner = runner
         self.engine_id = engine_id
         self.connector = connector or NullConnector()
+        self.kv_format = KvFormat(
+            fingerprint=runner.fingerprint,
+            block_size=runner.block_size,
+            bytes_per_token=runner.kv_bytes_per_token,
+        )
+        self._seed = fingerprint_seed(runner.fingerprint)
         self.quota = quota_planner(config, runner)
         self.scheduler = EngineScheduler(
             runner.kv,
@@ -53,9 +63,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             prefill_planner=self.quota.plan if self.quota is not None else None,
         )
-        self.seqs: dict[str, Sequence] = {}
-        self.preparing: dict[str, asyncio.Task[None]] = {}
-        self._aborts: dict[str, str] = {}
+        self.seqs: dict[str, Sequence] = {}  # every request in the engine, the one owner of its state
         self._wake = asyncio.Event()
         self.is_idle = asyncio.Event()  # no request in the engine (drain waits on it)
         self.is_idle.set()
@@ -68,92 +76,62 @@ class EngineCore:
 
     # ------------------------------------------------------------------------------------- admission
 
-    def submit(self, task: GenerateTask, *, trace_parent: Any = None) -> TaskAck:
-        """Colocated: validate and queue a task; the ack says whether the engine took it."""
+    def submit(self, task: Task, *, trace_parent: Any = None) -> TaskAck:
+        """Validate a task, let the connector take its part, start it; the ack says whether the engine took
+        it (a decode engine's names the buffer its prefill engine writes into).
+
+        `trace_parent`: the trace context that came with the task (the request's spans hang off it)."""
         try:
-            seq = self.admit(
-                task.request_id,
-                task.router_id,
-                task.prompt_token_ids,
-                task.sampling,
-                task.deadline_unix_s,
-                kv_plan=task.kv,
-                trace_parent=trace_parent,
-            )
+            seq = self.admit(task)
+            buffer = self.connector.accept(seq, task)
         except KvpathError as exc:
             return TaskAck(request_id=task.request_id, accepted=False, code=exc.code, message=exc.message)
+        tracing.attach(seq, trace_parent)
         self.start(seq)
-        return TaskAck(request_id=task.request_id, accepted=True)
+        return TaskAck(request_id=task.request_id, accepted=True, buffer=buffer)
 
-    def admit(
-        self,
-        request_id: str,
-        router_id: str,
-        prompt: list[int],
-        sampling: SamplingParams,
-        deadline_unix_s: float,
-        *,
-        kv_plan: dict | None = None,
-        trace_parent: Any = None,
-    ) -> Sequence:
-        """A new sequence for a task, or a KvpathError saying why the engine cannot take it.
-
-        `trace_parent`: the trace context that came with the task (its spans hang off it)."""
-        spec = self.runner.spec
+    def admit(self, task: Task) -> Sequence:
+        """A new sequence for a task, or a KvpathError saying why the engine cannot take it."""
+        plan = task.plan
         if self.is_draining:
             raise OverloadedError(f"engine {self.engine_id} is draining")
-        if request_id in self.seqs:
-            raise InvalidRequestError(f"duplicate request id {request_id}", param="request_id")
+        if plan.request_id in self.seqs:
+            raise InvalidRequestError(f"duplicate request id {plan.request_id}", param="request_id")
         if len(self.seqs) >= self.config.max_waiting + self.config.max_num_seqs:
             raise OverloadedError(f"engine {self.engine_id} has {len(self.seqs)} requests queued")
-        n = len(prompt)
-        if n == 0 or n + sampling.max_tokens > spec.max_model_len:
-            raise ContextLengthExceededError(
-                f"prompt of {n} tokens + max_tokens {sampling.max_tokens} exceeds the context of "
-                f"{spec.max_model_len}",
-                param="max_tokens",
-            )
-        if max(prompt) >= spec.vocab_size or min(prompt) < 0:
-            raise InvalidRequestError("prompt token id outside the vocabulary", param="prompt")
-        if blocks_for(n + 1, self.runner.block_size) > self.runner.kv.num_blocks:
-            raise ContextLengthExceededError(
-                f"prompt of {n} tokens does not fit this engine's KV cache", param="prompt"
-            )
-        seq = Sequence(
-            request_id=request_id,
-            router_id=router_id,
-            prompt_token_ids=list(prompt),
-            sampling=sampling,
-            deadline_unix_s=deadline_unix_s,
-            arrived_at=time.monotonic(),
-            kv_plan=kv_plan or {},
+        spec = self.runner.spec
+        check_prompt(
+            plan,
+            max_model_len=spec.max_model_len,
+            vocab_size=spec.vocab_size,
+            block_size=self.runner.block_size,
+            num_kv_blocks=self.runner.kv.num_blocks,
         )
-        tracing.attach(seq, trace_parent)
-        return seq
+        check_kv_plan(plan, block_size=self.runner.block_size, seed=self._seed)
+        return Sequence(plan=plan, arrived_at=time.monotonic())
 
     def start(self, seq: Sequence) -> None:
-        """Take the admitted sequence: fetch its external KV, then schedule it."""
+        """Take the admitted sequence: let the connector load its external KV, then schedule it."""
         self.seqs[seq.request_id] = seq
         self.is_idle.clear()
-        prep = asyncio.create_task(self._prepare(seq), name=f"prepare:{seq.request_id}")
-        self.preparing[seq.request_id] = prep
+        seq.prepare_task = asyncio.create_task(self._prepare(seq), name=f"prepare:{seq.request_id}")
 
     async def _prepare(self, seq: Sequence) -> None:
         """Let the connector fetch the stored prefix, then queue the sequence for scheduling."""
         started = time.monotonic()
         try:
             with tracing.kv_span(seq, self.config.role):
-                await self.connector.prepare(seq)
+                await self.connector.load(seq)
         except KvpathError as exc:
             seq.error_code, seq.error_message = exc.code, exc.message
         except Exception as exc:
-            log.exception("kv prepare failed request_id=%s", seq.request_id)
+            log.exception("kv load failed request_id=%s", seq.request_id)
             seq.error_code, seq.error_message = "internal_error", f"{type(exc).__name__}: {exc}"
         finally:
-            self.preparing.pop(seq.request_id, None)
+            seq.prepare_task = None
         seq.timings.setdefault("read_s", time.monotonic() - started)
         if seq.status is SeqStatus.FINISHED or seq.request_id not in self.seqs:
-            self.connector.release(seq)
+            self.connector.release(seq)  # it left while loading: drop what the load got
             return
         if seq.error_code:
             await self.outbox.flush([self._finish(seq, "error")])
@@ -167,8 +145,9 @@ class EngineCore:
         self._wake.set()
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
-        if request_id in self.seqs:
-            self._aborts[request_id] = reason
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            seq.abort_reason = reason
             self._wake.set()
 
     # -------------------------------------------------------------------------------------- the loop
@@ -180,7 +159,7 @@ class EngineCore:
             if plan.is_empty:
                 await self.outbox.flush(out)
                 self._wake.clear()
-                if not self._aborts:
+                if not any(s.abort_reason for s in self.seqs.values()):
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), IDLE_RECHECK_S)
                 continue
@@ -198,76 +177,74 @@ class EngineCore:
             await self.outbox.flush(out)
 
     def _apply_aborts(self) -> list[Outgoing]:
+        """Requests past their deadline fail (the router hears why); aborted ones end silently (the router
+        asked: it expects nothing more)."""
         now = time.time()
-        for seq in self.seqs.values():
-            if seq.deadline_unix_s < now and seq.request_id not in self._aborts:
-                self._aborts[seq.request_id] = "deadline"
         out: list[Outgoing] = []
-        for request_id, reason in self._aborts.items():
-            seq = self.seqs.get(request_id)  # type: ignore[assignment]
-            if seq is None:
+        for seq in [s for s in self.seqs.values() if s.abort_reason or s.deadline_unix_s < now]:
+            if seq.abort_reason and seq.abort_reason != "deadline":
+                self._finish_silently(seq, "abort")
                 continue
-            if reason == "deadline":
-                seq.error_code, seq.error_message = (
-                    "deadline_exceeded",
-                    "request deadline passed in the engine",
-                )
-                out.append(self._finish(seq, "error"))
-            else:
-                self._finish_silently(seq, "abort")  # the router asked: it expects nothing more
-        self._aborts.clear()
+            seq.error_code, seq.error_message = "deadline_exceeded", "request deadline passed in the engine"
+            out.append(self._finish(seq, "error"))
         return out
 
-    async def _execute(self, plan: StepPlan) -> dict[str, int]:
-        sampled: dict[str, int] = {}
-        started = time.perf_counter()
+    async def _execute(self, plan: StepPlan) -> dict[Sequence, int]:
+        sampled: dict[Sequence, int] = {}
         loads = [c for c in plan.prefill if c.num_tokens == 0]
         if loads:  # prompts prefilled elsewhere: import their KV, nothing to compute
-            self.connector.import_only(loads)
+            self.connector.import_prefilled(loads)
         computed = [c for c in plan.prefill if c.num_tokens > 0]
         if computed:
-            pseqs = [
-                PrefillSeq(
-                    seq_id=c.seq.request_id,
-                    block_ids=c.seq.block_ids,
-                    num_cached_tokens=c.start,
-                    token_ids=c.seq.token_ids(c.start, c.start + c.num_tokens),
-                    sample=c.sample,
-                    sampling=_sampling(c.seq),
-                    banned_token_ids=self._banned(c.seq),
-                )
-                for c in computed
-            ]
-            out = await self.runner.prefill(pseqs, self.connector.layer_hook(computed))
-            sampled.update({p.seq_id: t for p, t in zip(pseqs, out, strict=True) if t is not None})
-            elapsed = time.perf_counter() - started
-            num_tokens = sum(c.num_tokens for c in computed)
-            if self.quota is not None:
-                pairs = [(c.start, c.num_tokens) for c in computed]
-                self.quota.observe(pairs, elapsed / self.runner.spec.num_layers)
-                metrics.PREFILL_PREDICTED.observe(self.quota.last_predicted_s)
-            metrics.PREFILL_STEP.observe(elapsed)
-            metrics.PREFILL_BATCH_SIZE.observe(len(computed))
-            metrics.PREFILL_TOKENS.inc(num_tokens)
-            self.prefill_rate.add(num_tokens + sum(c.load_tokens for c in computed), elapsed)
+            sampled.update(await self._prefill(computed))
         if plan.decode:
-            t0 = time.perf_counter()
-            dseqs = [
-                DecodeSeq(
-                    seq_id=s.request_id,
-                    block_ids=s.block_ids,
-                    num_cached_tokens=s.num_computed_tokens,
-                    token_id=s.output_token_ids[-1],
-                    sampling=_sampling(s),
-                    banned_token_ids=self._banned(s),
-                )
-                for s in plan.decode
-            ]
-            out_ids = await self.runner.decode(dseqs)
-            sampled.update({d.seq_id: t for d, t in zip(dseqs, out_ids, strict=True)})
-            metrics.DECODE_STEP.observe(time.perf_counter() - t0)
-            metrics.BATCH_SIZE.observe(len(plan.decode))
+            sampled.update(await self._decode(plan.decode))
         return sampled
+
+    async def _prefill(self, computed: list[PrefillChunk]) -> dict[Sequence, int]:
+        started = time.perf_counter()
+        pseqs = [
+            PrefillSeq(
+                seq_id=c.seq.request_id,
+                block_ids=c.seq.block_ids,
+                num_cached_tokens=c.start,
+                token_ids=c.seq.token_ids(c.start, c.start + c.num_tokens),
+                sample=c.sample,
+                sampling=_sampling(c.seq),
+                banned_token_ids=self._banned(c.seq),
+            )
+            for c in computed
+        ]
+        out = await self.runner.prefill(pseqs, self.connector.layer_hook(computed))
+        elapsed = time.perf_counter() - started
+        num_tokens = sum(c.num_tokens for c in computed)
+        if self.quota is not None:
+            pairs = [(c.start, c.num_tokens) for c in computed]
+            self.quota.observe(pairs, elapsed / self.runner.spec.num_layers)
+            metrics.PREFILL_PREDICTED.observe(self.quota.last_predicted_s)
+        metrics.PREFILL_STEP.observe(elapsed)
+        metrics.PREFILL_BATCH_SIZE.observe(len(computed))
+        metrics.PREFILL_TOKENS.inc(num_tokens)
+        self.prefill_rate.add(num_tokens + sum(c.load_tokens for c in computed), elapsed)
+        return {c.seq: t for c, t in zip(computed, out, strict=True) if t is not None}
+
+    async def _decode(self, seqs: list[Sequence]) -> dict[Sequence, int]:
+        started = time.perf_counter()
+        dseqs = [
+            DecodeSeq(
+                seq_id=s.request_id,
+                block_ids=s.block_ids,
+                num_cached_tokens=s.num_computed_tokens,
+                token_id=s.output_token_ids[-1],
+                sampling=_sampling(s),
+                banned_token_ids=self._banned(s),
+            )
+            for s in seqs
+        ]
+        out = await self.runner.decode(dseqs)
+        metrics.DECODE_STEP.observe(time.perf_counter() - started)
+        metrics.BATCH_SIZE.observe(len(seqs))
+        return dict(zip(seqs, out, strict=True))
 
     def _banned(self, seq: Sequence) -> list[int]:
         if len(seq.output_token_ids) >= seq.sampling.min_tokens:
@@ -275,7 +252,7 @@ class EngineCore:
         eos = [] if seq.sampling.ignore_eos else list(self.runner.spec.eos_token_ids)
         return eos + list(seq.sampling.stop_token_ids)
 
-    def _apply(self, plan: StepPlan, sampled: dict[str, int]) -> list[Outgoing]:
+    def _apply(self, plan: StepPlan, sampled: dict[Sequence, int]) -> list[Outgoing]:
         touched: list[Sequence] = []
         for chunk in plan.prefill:
             if chunk.seq.trace is not None:
@@ -287,59 +264,58 @@ class EngineCore:
         for seq in plan.decode:
             seq.num_computed_tokens += 1
             touched.append(seq)
-        self.connector.after_step(touched)
+        self.connector.save(touched)
         out: list[Outgoing] = []
-        failed = self.connector.failures()
         for seq in touched:
-            error = failed.get(seq.request_id)
-            if error is not None and seq.status is not SeqStatus.FINISHED:
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            error = self.connector.failure(seq)
+            if error is not None:
                 seq.error_code, seq.error_message = error.code, error.message
                 out.append(self._finish(seq, "error"))
                 continue
-            token = sampled.get(seq.request_id)
-            if token is None or seq.status is SeqStatus.FINISHED:
-                continue
-            if not seq.output_token_ids:
-                seq.timings["first_token_s"] = time.monotonic() - seq.arrived_at
-                tracing.first_token(seq, self.config.role)
-            emit, reason = check_stop(
-                seq, token, self.runner.spec.eos_token_ids, self.runner.spec.max_model_len
-            )
-            if emit:
-                seq.output_token_ids.append(token)
-                seq.unsent_token_ids.append(token)
-            if reason is None and self.config.role == "prefill":
-                reason = "handoff"  # the decode engine takes it from here
-                seq.timings["prefill_s"] = time.monotonic() - seq.timings.get("queued_at", seq.arrived_at)
-            out.append(self._finish(seq, reason) if reason else self._delta(seq))
+            token = sampled.get(seq)
+            if token is not None:
+                out.append(self._emit(seq, token))
         return out
 
+    def _emit(self, seq: Sequence, token: int) -> Outgoing:
+        """A newly sampled token: its delta, or the last one when it ends the request here."""
+        if not seq.output_token_ids:
+            seq.timings["first_token_s"] = time.monotonic() - seq.arrived_at
+            tracing.first_token(seq, self.config.role)
+        spec = self.runner.spec
+        emit, reason = check_stop(seq, token, spec.eos_token_ids, spec.max_model_len)
+        if emit:
+            seq.output_token_ids.append(token)
+            seq.unsent_token_ids.append(token)
+        if reason is None and self.config.role == "prefill":
+            reason = "handoff"  # the decode engine takes it from here
+            seq.timings["prefill_s"] = time.monotonic() - seq.timings.get("queued_at", seq.arrived_at)
+        return self._finish(seq, reason) if reason else self._delta(seq)
+
     def _fail_plan(self, plan: StepPlan, exc: Exception) -> list[Outgoing]:
-        seqs = {c.seq.request_id: c.seq for c in plan.prefill} | {s.request_id: s for s in plan.decode}
+        seqs = {c.seq: None for c in plan.prefill} | {s: None for s in plan.decode}
         out = []
-        for seq in seqs.values():
-            seq.error_code, seq.error_message = (
-                "engine_failed",
-                f"model step failed: {type(exc).__name__}: {exc}",
-            )
+        for seq in seqs:
+            seq.error_code = "engine_failed"
+            seq.error_message = f"model step failed: {type(exc).__name__}: {exc}"
             out.append(self._finish(seq, "error"))
         return out
 
     def _finish(self, seq: Sequence, reason: str) -> Outgoing:
+        """The request leaves the engine: everything held for it is released here, and only here."""
         seq.finish_reason = seq.finish_reason or reason
         # the connector sees the sequence before its blocks are freed (it may copy them out)
-        wait = self.connector.finish(seq)
-        if wait is not None:
-            self.outbox.hold_last(seq.request_id, wait)
+        seq.final_wait = self.connector.finish(seq)
         self.connector.release(seq)
         self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
         if not self.seqs:
             self.is_idle.set()
-        prep = self.preparing.pop(seq.request_id, None)
-        if prep is not None:
-            prep.cancel()
-        self.runner.release(seq.request_id)
+        if seq.prepare_task is not None:
+            seq.prepare_task.cancel()
+            seq.prepare_task = None
         metrics.REQUESTS.labels(reason).inc()
         if seq.trace is not None:
             tracing.finished(seq)
@@ -353,7 +329,8 @@ class EngineCore:
     def _finish_silently(self, seq: Sequence, reason: str) -> None:
         """Finish without a delta (nobody expects one); connector waits still run to completion."""
         self._finish(seq, reason)
-        self.outbox.drop_last(seq.request_id)
+        self.outbox.run_detached(seq.final_wait)
+        seq.final_wait = None
 
     def _delta(self, seq: Sequence) -> Outgoing:
         finish = seq.finish_reason if seq.status is SeqStatus.FINISHED else None
@@ -372,20 +349,21 @@ class EngineCore:
             delta.error_code, delta.error_message = seq.error_code, seq.error_message
         seq.unsent_token_ids = []
         seq.next_delta_seq += 1
-        return seq.router_id, delta
+        return seq.router_id, delta, seq.final_wait if finish is not None else None
 
     async def close(self) -> None:
         """Wait (bounded) for deferred last deltas, then cancel what is left."""
         await self.outbox.close()
-        for task in list(self.preparing.values()):
-            task.cancel()
+        for seq in self.seqs.values():
+            if seq.prepare_task is not None:
+                seq.prepare_task.cancel()
 
     # --------------------------------------------------------------------------------------- reports
 
     def load(self) -> dict[str, Any]:
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting) + len(self.preparing),
+            "num_waiting": sum(1 for s in self.seqs.values() if s.status is not SeqStatus.RUNNING),
             "unfinished_tokens": sum(s.num_tokens for s in self.seqs.values()),
             "free_kv_blocks": self.runner.kv.num_free_blocks,
             "total_kv_blocks": self.runner.kv.num_blocks,
@@ -395,7 +373,7 @@ class EngineCore:
 
 def _sampling(seq: Sequence) -> SamplingOptions:
     s = seq.sampling
-    return SamplingOptions(temperature=s.temperature, top_p=s.top_p, seed=s.seed)
+    return SamplingOptions(temperature=s.temperature, top_p=s.top_p, generator=seq.rng)
 
 
 def quota_planner(config: EngineConfig, runner: ModelRunner) -> QuotaPlanner | None:

@@ -1,8 +1,8 @@
 """Where an engine's token deltas leave: one `TokenBatch` per router per step, and last deltas that wait.
 
 A request's last delta may have to wait for its connector (blocks durable and indexed, the DONE notice to a
-decode engine): it is published by a background task once that wait ends, so the step loop never blocks on
-it. `close` gives those tasks a bounded time to finish.
+decode engine): the wait travels with the delta, which a background task publishes once the wait ends, so
+the step loop never blocks on it. `close` gives those tasks a bounded time to finish.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from shared.protocol import TokenBatch, TokenDelta
 log = logging.getLogger(__name__)
 
 Publish = Callable[[str, TokenBatch], Awaitable[None]]
-Outgoing = tuple[str, TokenDelta]  # (router id, delta)
+Outgoing = tuple[str, TokenDelta, Awaitable[None] | None]  # (router id, delta, what it waits for)
 
 CLOSE_WAIT_S = 5.0
 
@@ -28,24 +28,16 @@ class TokenOutbox:
         self.engine_id = engine_id
         self.publish = publish
         self.step = 0
-        self.final_waits: dict[str, Awaitable[None]] = {}  # request id -> what its last delta waits for
         self._background: set[asyncio.Task[None]] = set()
 
-    def hold_last(self, request_id: str, wait: Awaitable[None]) -> None:
-        """The request's last delta goes out only after `wait`."""
-        self.final_waits[request_id] = wait
-
-    def drop_last(self, request_id: str) -> None:
-        """No last delta will be sent (nobody expects one); the wait still runs to completion."""
-        wait = self.final_waits.pop(request_id, None)
+    def run_detached(self, wait: Awaitable[None] | None) -> None:
+        """A wait whose delta is never sent (nobody expects one) still runs to completion."""
         if wait is not None:
             self.spawn(_await(wait))
 
     async def flush(self, out: list[Outgoing]) -> None:
         by_router: dict[str, list[TokenDelta]] = defaultdict(list)
-        for router_id, delta in out:
-            is_last = delta.finish_reason is not None or delta.handoff
-            wait = self.final_waits.pop(delta.request_id, None) if is_last else None
+        for router_id, delta, wait in out:
             if wait is None:
                 by_router[router_id].append(delta)
             else:

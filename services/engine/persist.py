@@ -2,9 +2,11 @@
 
 After a step, the blocks of a sequence that became full are exported into the storage client's staging
 segment (a memcpy on the loop, so the cache blocks may be freed right after) and written by a background
-task. `finish` gives the awaitable a request's last token waits on: its writes durable and applied by the
-index (bounded by PERSIST_WAIT_S), so the next turn of a session hits them. A block that cannot be staged
-breaks the chain: later blocks of that sequence could never be matched, so they are not written either.
+task, under the hashes the router planned for the prompt (`Sequence.block_hashes`), extended here for the
+blocks generated tokens fill. A sequence's progress is its `PersistChain`, kept in its connector record.
+`finish` gives the awaitable a request's last token waits on: its writes durable and applied by the index
+(bounded by PERSIST_WAIT_S), so the next turn of a session hits them. A block that cannot be staged breaks
+the chain: later blocks of that sequence could never be matched, so they are not written either.
 """
 
 from __future__ import annotations
@@ -29,11 +31,22 @@ PERSIST_WAIT_S = 2.0  # longest a finished request waits for its blocks to becom
 
 
 @dataclass(slots=True)
-class _Chain:
+class PersistChain:
+    """How far one sequence's blocks are persisted, and the writes on their way."""
+
     num_persisted_blocks: int  # leading blocks already in the store (loaded or written)
-    last_hash: int  # hash of the last of them (the fingerprint seed when none)
     is_broken: bool = False
     writes: list[asyncio.Task[int]] = field(default_factory=list)
+
+
+def extend_hashes(seq: Sequence, num_blocks: int, seed: int, block_size: int) -> list[int]:
+    """`seq.block_hashes`, extended (in place) to cover its first `num_blocks` full blocks."""
+    hashes = seq.block_hashes
+    parent = hashes[-1] if hashes else seed
+    for i in range(len(hashes), num_blocks):
+        parent = next_block_hash(parent, seq.token_ids(i * block_size, (i + 1) * block_size))
+        hashes.append(parent)
+    return hashes
 
 
 class BlockPersister:
@@ -43,27 +56,10 @@ class BlockPersister:
         self.kv = kv
         self.block_size = block_size
         self.seed = fingerprint_seed(client.fingerprint)
-        self._chains: dict[str, _Chain] = {}
-        self._tasks: set[asyncio.Future[Any]] = set()
+        self._tasks: set[asyncio.Future[Any]] = set()  # every write in flight (cancelled on close)
 
-    def chain(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """Hashes of the sequence's first `num_blocks` full blocks."""
-        out, parent, bs = [], self.seed, self.block_size
-        for i in range(num_blocks):
-            parent = next_block_hash(parent, seq.token_ids(i * bs, (i + 1) * bs))
-            out.append(parent)
-        return out
-
-    def track(self, seq: Sequence, num_stored_blocks: int) -> None:
-        """Start tracking a sequence whose first `num_stored_blocks` blocks are in the store already."""
-        hashes = self.chain(seq, num_stored_blocks)
-        self._chains[seq.request_id] = _Chain(num_stored_blocks, hashes[-1] if hashes else self.seed)
-
-    def persist(self, seq: Sequence) -> None:
-        """Write the sequence's blocks that became full since the last call (tracking it if new)."""
-        chain = self._chains.get(seq.request_id)
-        if chain is None:
-            chain = self._chains[seq.request_id] = _Chain(0, self.seed)
+    def persist(self, seq: Sequence, chain: PersistChain) -> None:
+        """Write the sequence's blocks that became full since the last call."""
         full = seq.num_computed_tokens // self.block_size
         start = chain.num_persisted_blocks
         if full <= start or chain.is_broken:
@@ -75,16 +71,16 @@ class BlockPersister:
             chain.is_broken = True
             return
         self.kv.export_blocks(seq.block_ids[start:full], staged.views)
-        hashes, parents, parent, bs = [], [], chain.last_hash, self.block_size
-        for i in range(start, full):
-            parents.append(parent)
-            parent = next_block_hash(parent, seq.token_ids(i * bs, (i + 1) * bs))
-            hashes.append(parent)
-        chain.num_persisted_blocks, chain.last_hash = full, parent
+        chained = extend_hashes(seq, full, self.seed, self.block_size)
+        hashes = chained[start:full]
+        parents = [chained[start - 1] if start else self.seed, *hashes[:-1]]
+        chain.num_persisted_blocks = full
         # the write's bus request (and the storage service's span) belongs to the request's trace
         context = telemetry.task_context(seq.trace.parent) if seq.trace is not None else None
-        write = self._write(seq.request_id, staged, hashes, parents)
-        chain.writes.append(asyncio.create_task(write, context=context))
+        write = asyncio.create_task(self._write(seq.request_id, staged, hashes, parents), context=context)
+        chain.writes.append(write)
+        self._tasks.add(write)
+        write.add_done_callback(self._tasks.discard)
 
     async def _write(
         self, request_id: str, staged: StagedBlocks, hashes: list[int], parents: list[int]
@@ -101,19 +97,15 @@ class BlockPersister:
         metrics.KV_PERSISTED_BLOCKS.inc(result.num_written)
         return result.event_stream_seq
 
-    def finish(self, request_id: str) -> Awaitable[None] | None:
-        """Forget the request; the awaitable (None: nothing written) ends once its writes are indexed."""
-        chain = self._chains.pop(request_id, None)
-        if chain is None or not chain.writes:
+    def finish(self, request_id: str, chain: PersistChain) -> Awaitable[None] | None:
+        """The awaitable (None: nothing written) that ends once the chain's writes are indexed."""
+        if not chain.writes:
             return None
         return self._wait_indexed(request_id, chain.writes)
 
     async def _wait_indexed(self, request_id: str, writes: list[asyncio.Task[int]]) -> None:
         deadline = time.monotonic() + PERSIST_WAIT_S
-        done, pending = await asyncio.wait(writes, timeout=PERSIST_WAIT_S)
-        for task in pending:  # keep writing in the background; only stop waiting
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        done, pending = await asyncio.wait(writes, timeout=PERSIST_WAIT_S)  # pending ones keep writing
         stream_seqs = [t.result() for t in done if not t.cancelled() and t.exception() is None]
         last = max(stream_seqs, default=0)
         if last and not pending:
@@ -125,7 +117,7 @@ class BlockPersister:
                 )
 
     async def close(self) -> None:
-        tasks = [*self._tasks, *(w for c in self._chains.values() for w in c.writes)]
+        tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

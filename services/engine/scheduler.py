@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.engine.sequence import SeqStatus, Sequence
+from shared.blocks import blocks_for
 
 # Decides the next prefill batch: (request id, cached tokens, remaining tokens) in FIFO order in,
 # (request id, tokens to compute now) out. None: a plain token budget (max_num_batched_tokens).
@@ -49,10 +50,6 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.prefill and not self.decode
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 class EngineScheduler:

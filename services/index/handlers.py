@@ -6,23 +6,26 @@ A match runs in an `index.match` span continuing the caller's trace (the router'
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from services.index import metrics
+from services.index.config import IndexConfig
+from services.index.index import BlockIndex
 from shared import telemetry
 from shared.bus import MsgContext
 from shared.errors import InvalidRequestError
 from shared.protocol.kv import IndexMatchReply, IndexMatchRequest, IndexStats, IndexStatsRequest
 
-if TYPE_CHECKING:
-    from services.index.service import IndexService
-
 _U64_MAX = (1 << 64) - 1
 
 
 class IndexHandlers:
-    def __init__(self, service: IndexService) -> None:
-        self.service = service
+    """Takes the block index, the service's config (limits) and where the index's stats come from."""
+
+    def __init__(self, index: BlockIndex, config: IndexConfig, stats: Callable[[], IndexStats]) -> None:
+        self.index = index
+        self.config = config
+        self.get_stats = stats
 
     async def match(self, msg: IndexMatchRequest, ctx: MsgContext) -> IndexMatchReply:
         started = time.perf_counter()
@@ -39,17 +42,17 @@ class IndexHandlers:
 
     def _match(self, msg: IndexMatchRequest) -> IndexMatchReply:
         hashes = msg.block_hashes
-        limit = self.service.config.max_match_blocks
+        limit = self.config.max_match_blocks
         if len(hashes) > limit:
             raise InvalidRequestError(
                 f"at most {limit} block hashes per match, got {len(hashes)}", param="block_hashes"
             )
         if hashes and (min(hashes) < 0 or max(hashes) > _U64_MAX):
             raise InvalidRequestError("block hashes are unsigned 64-bit integers", param="block_hashes")
-        out = self.service.index.match(hashes)
+        out = self.index.match(hashes)
         return IndexMatchReply(
             num_hit_blocks=out.num_hit_blocks, per_tier=out.per_tier, per_location=out.per_location
         )
 
     async def stats(self, msg: IndexStatsRequest, ctx: MsgContext) -> IndexStats:
-        return self.service.stats()
+        return self.get_stats()

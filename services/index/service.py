@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from services.index import metrics, snapshot
 from services.index.config import IndexConfig
 from services.index.feed import EventFeed, FeedErrors, stream_seq_of
+from services.index.handlers import IndexHandlers
 from services.index.index import BlockIndex
 from shared.errors import ProtocolError, ServiceUnavailableError
 from shared.kvclient import ensure_kv_events_stream
@@ -56,15 +57,13 @@ class IndexService(Service):
         return self._feed
 
     async def on_start(self) -> None:
-        from services.index.handlers import IndexHandlers
-
         self._load_snapshot()
         self._stream = await ensure_kv_events_stream(self.bus, max_bytes=self.config.stream_max_bytes)
         self._feed = EventFeed(
             self.bus, self._stream, fetch_batch=self.config.fetch_batch, fetch_wait_s=self.config.fetch_wait_s
         )
         await self._catch_up()
-        handlers = IndexHandlers(self)
+        handlers = IndexHandlers(self.index, self.config, self.stats)
         await self.bus.subscribe(self.bus.subjects.index_match, IndexMatchRequest, handlers.match)
         await self.bus.subscribe(self.bus.subjects.index_stats, IndexStatsRequest, handlers.stats)
         self.spawn(self._tail(), "tail-events")

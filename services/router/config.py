@@ -22,8 +22,6 @@ class RouterConfig(BaseConfig):
     retry_after_s: int = doc(1, "Retry-After seconds on 503 when no engine is available")
     use_kv_cache: bool = doc(True, "ask the metadata index for stored prefixes (KV reuse across turns)")
     index_timeout_s: float = doc(0.5, "deadline of an index lookup; on expiry the request recomputes")
-    block_size: int = doc(64, "KV block size in tokens (must match the engines and the block store)")
-    kv_dtype: str = doc("", "KV dtype used in the model fingerprint; default: the engines' (float32 on CPU)")
     alpha_s: float = doc(3.0, "DualPath: a node read queue under this many seconds of reads is short")
     beta_s: float = doc(5.0, "DualPath: a PE with more than this many seconds of prefill work gets nothing")
     z_factor: float = doc(1.05, "DualPath: DE high-token threshold multiplier")
@@ -56,9 +54,3 @@ class RouterConfig(BaseConfig):
         for name in ("alpha_s", "beta_s", "z_factor"):
             check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         check(self.max_inflight_requests >= 1, "max_inflight_requests", self.max_inflight_requests, ">= 1")
-        check(
-            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
-            "block_size",
-            self.block_size,
-            "must be a power of two",
-        )

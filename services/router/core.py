@@ -13,10 +13,11 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
-from services.policy.placement import pick_least_loaded
+from services.policy.placement import COLOCATED
 from services.router import metrics
 from services.router.config import RouterConfig
-from services.router.disagg import DisaggregatedDispatch
+from services.router.disaggregated import DisaggregatedDispatch, SchedulerParams
+from services.router.dispatch import ColocatedDispatch, Dispatch, publish_abort
 from services.router.engines import EngineTable
 from services.router.kv_plan import KvPlanner
 from services.router.prompts import PreparedPrompt
@@ -30,16 +31,13 @@ from shared.errors import (
     KvpathError,
     NoEngineAvailableError,
     OverloadedError,
-    ServiceUnavailableError,
     error_from_code,
 )
-from shared.protocol import Abort, GenerateTask, LoadReport, SamplingParams, TaskAck, TokenBatch, TokenDelta
+from shared.protocol import LoadReport, RequestPlan, SamplingParams, TokenBatch, TokenDelta
 
 log = logging.getLogger(__name__)
 
-MAX_DISPATCH_ATTEMPTS = 3
-REORDER_WINDOW_S = 2.0
-_COLOCATED = {"policy": "colocated"}  # a delta may overtake its predecessor this long (PE -> DE hand-off)
+REORDER_WINDOW_S = 2.0  # a delta may overtake its predecessor this long (PE -> DE hand-off)
 
 
 @dataclass(slots=True)
@@ -69,8 +67,8 @@ class RouterCore:
         self.inflight = 0
         self.is_idle = asyncio.Event()
         self.is_idle.set()
-        self.kv_planner: KvPlanner | None = None
-        self.disagg: DisaggregatedDispatch | None = None  # prefill/decode policies; None: colocated
+        self.kv_planner = KvPlanner(bus, use_index=config.use_kv_cache, timeout_s=config.index_timeout_s)
+        self.dispatch = build_dispatch(config, self.engines, bus, router_id)
 
     # ------------------------------------------------------------------------------------ bus inputs
 
@@ -79,8 +77,7 @@ class RouterCore:
 
     def on_load_report(self, report: LoadReport) -> None:
         self.engines.update(report, time.monotonic())
-        if self.disagg is not None:
-            self.disagg.dispatcher.kick()  # loads changed: queued requests may fit now
+        self.dispatch.on_load_report()
 
     def fail_silent_engines(self) -> int:
         """Fail the streams of engines whose load reports stopped, and streams with a token gap that did not
@@ -103,60 +100,6 @@ class RouterCore:
                     log.warning("engine silent engine=%s failed_streams=%d", engine_id, n)
                 failed += n
         return failed
-
-    # -------------------------------------------------------------------------------------- dispatch
-
-    async def _dispatch(self, task: GenerateTask, deadline: float) -> str:
-        """The colocated `schedule` stage as a span (not made current: engine spans stay its siblings)."""
-        span = telemetry.start_span("schedule", attributes=_COLOCATED)  # None while tracing is off
-        try:
-            engine_id = await self._choose_and_send(task, deadline)
-        except BaseException as exc:
-            telemetry.end_span(span, error=f"{type(exc).__name__}: {exc}")
-            raise
-        if span is not None:
-            telemetry.end_span(span, attributes={"engine_id": engine_id})
-        log.debug("dispatched request_id=%s engine=%s", task.request_id, engine_id)
-        return engine_id
-
-    async def _choose_and_send(self, task: GenerateTask, deadline: float) -> str:
-        """Send the task to the least-loaded engine that accepts it; return that engine's id."""
-        tried: set[str] = set()
-        refusal: KvpathError | None = None
-        for _ in range(MAX_DISPATCH_ATTEMPTS):
-            engines = self.engines.engine_snapshots(self.config.block_size, ("colocated",))
-            candidates = [e for e in engines if e.engine_id not in tried]
-            engine_id = pick_least_loaded(candidates)
-            if engine_id is None:
-                break
-            tried.add(engine_id)
-            timeout = min(self.config.task_ack_timeout_s, max(0.01, deadline - time.monotonic()))
-            try:
-                ack = await self.bus.request(
-                    self.bus.subjects.task(engine_id), task, TaskAck, timeout_s=timeout
-                )
-            except (ServiceUnavailableError, DeadlineExceededError) as exc:
-                log.warning("task not acked request_id=%s engine=%s: %s", task.request_id, engine_id, exc)
-                await self._abort(task.request_id, "dispatch failed")
-                refusal = exc
-                continue
-            if ack.accepted:
-                self.engines.note_assigned(engine_id, len(task.prompt_token_ids))
-                return engine_id
-            refusal = error_from_code(ack.code or "overloaded", ack.message or "engine refused the task")
-            if not isinstance(refusal, OverloadedError | ServiceUnavailableError):
-                raise refusal  # the request itself is bad: another engine would refuse it too
-        if isinstance(refusal, OverloadedError):
-            raise refusal
-        raise NoEngineAvailableError(
-            "no engine is available" + (f" (last error: {refusal.message})" if refusal else "")
-        )
-
-    async def _abort(self, request_id: str, reason: str) -> None:
-        try:
-            await self.bus.publish(self.bus.subjects.abort, Abort(request_id=request_id, reason=reason))
-        except Exception as exc:  # the bus may be down; the engine's deadline still frees the slot
-            log.warning("abort publish failed request_id=%s: %r", request_id, exc)
 
     # ------------------------------------------------------------------------------------ generation
 
@@ -182,16 +125,10 @@ class RouterCore:
         stream: RequestStream | None = None
         is_finished = False
         try:
-            kv = await self._kv_plan(prompt, request_id)
-            task = self._task(prompt, request_id, deadline, kv)
+            plan = await self._plan(prompt, request_id, deadline)
             # open before dispatch: the first tokens may arrive before the ack
             stream = self.streams.open(request_id)
-            if self.disagg is None:
-                self.streams.assign(request_id, await self._dispatch(task, deadline))
-            else:
-                usage.timings.update(
-                    await self.disagg.dispatch(prompt, request_id, task.sampling, deadline, kv, self.streams)
-                )
+            usage.timings.update(await self.dispatch.dispatch(plan, deadline, self.streams))
             metrics.QUEUED.dec()
             metrics.RUNNING.inc()
             # one timer per request, not one per wait: at the deadline the stream gets the deadline error
@@ -217,9 +154,13 @@ class RouterCore:
             if stream is not None:
                 self.streams.close(request_id)
             if not is_finished:
-                await self._abort(request_id, "client gone or request failed")
+                await publish_abort(self.bus, request_id, "client gone or request failed")
 
-    def _task(self, prompt: PreparedPrompt, request_id: str, deadline: float, kv: dict) -> GenerateTask:
+    async def _plan(self, prompt: PreparedPrompt, request_id: str, deadline: float) -> RequestPlan:
+        """The request's plan, built once: every task kind carries it as it is."""
+        kv_format = self.engines.kv_format
+        if kv_format is None:
+            raise NoEngineAvailableError("no engine has reported yet")
         req = prompt.request
         sampling = SamplingParams(
             max_tokens=prompt.max_tokens,
@@ -230,20 +171,15 @@ class RouterCore:
             min_tokens=min(req.min_tokens, prompt.max_tokens),
             stop_token_ids=req.stop_token_ids,
         )
-        return GenerateTask(
+        return RequestPlan(
             request_id=request_id,
             router_id=self.router_id,
             prompt_token_ids=prompt.token_ids,
             sampling=sampling,
             deadline_unix_s=time.time() + (deadline - time.monotonic()),
             session_id=req.session_id,
-            kv=kv,
+            kv=await self.kv_planner.plan(prompt.token_ids, kv_format, request_id),
         )
-
-    async def _kv_plan(self, prompt: PreparedPrompt, request_id: str) -> dict:
-        if self.kv_planner is None:
-            return {}
-        return await self.kv_planner.plan(prompt, request_id)
 
     async def _pieces(
         self, stream: RequestStream, prompt: PreparedPrompt, deadline: float, usage: Usage, started: float
@@ -318,3 +254,17 @@ def _observe_stages(timings: dict[str, float]) -> None:
         value = timings.get(f"{stage}_s")
         if value is not None:
             metrics.TTFT_STAGE.labels(stage).observe(value)
+
+
+def build_dispatch(config: RouterConfig, engines: EngineTable, bus: Bus, router_id: str) -> Dispatch:
+    """The dispatch of the configured policy."""
+    if config.policy == COLOCATED:
+        return ColocatedDispatch(engines, bus, router_id, config.task_ack_timeout_s)
+    params = SchedulerParams(
+        policy=config.policy,
+        alpha_s=config.alpha_s,
+        beta_s=config.beta_s,
+        z_factor=config.z_factor,
+        force_read_side=config.force_read_side,
+    )
+    return DisaggregatedDispatch(engines, bus, router_id, config.task_ack_timeout_s, params)

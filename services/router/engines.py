@@ -3,15 +3,24 @@
 It is also where the policies' snapshots come from: `cluster_snapshot` turns the latest reports, plus the work
 the router sent since, into the `EngineSnapshot`s / `NodeSnapshot`s every policy reads (one builder for the
 colocated and the disaggregated dispatch).
+
+KV format: every engine announces the format of its KV (fingerprint, block size, bytes per token) in its
+load reports. The table adopts the format of the first engine it hears from and refuses engines that
+announce another one (they never appear in a snapshot, so no request reaches them; `refused` says why);
+when no live engine holds the adopted format any more, the next engine's format is adopted. The router
+hashes prompts with the adopted format, so its hashes and the engines' always agree.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 from services.policy.snapshot import ENGINE_ROLES, EngineSnapshot, NodeSnapshot
-from shared.protocol import LoadReport
+from shared.protocol import KvFormat, LoadReport
+
+log = logging.getLogger(__name__)
 
 ROLE_STORAGE = "storage"
 
@@ -45,12 +54,43 @@ class EngineTable:
     def __init__(self, silence_timeout_s: float) -> None:
         self.silence_timeout_s = silence_timeout_s
         self._engines: dict[str, EngineState] = {}
+        self.kv_format: KvFormat | None = None  # adopted from the engines; None until one reports
+        self.refused: dict[str, str] = {}  # engine id -> why its reports are ignored
 
     def update(self, report: LoadReport, now: float) -> None:
         current = self._engines.get(report.service_id)
         if current is not None and report.seq <= current.report.seq and not report.seq == 1:
             return  # stale or reordered report (seq 1 = the service restarted)
+        if report.role in ENGINE_ROLES and not self._accepts_format(report, now):
+            self._engines.pop(report.service_id, None)
+            return
+        self.refused.pop(report.service_id, None)
         self._engines[report.service_id] = EngineState(report=report, received_at=now)
+
+    def _accepts_format(self, report: LoadReport, now: float) -> bool:
+        """Whether the engine's KV format is the adopted one (adopting it when no live engine holds one)."""
+        announced = report.kv_format
+        if announced is not None and announced == self.kv_format:
+            return True
+        if announced is None:
+            reason = "announces no KV format"
+        elif self.kv_format is None or not self._has_live_format(now):
+            if self.kv_format is not None:
+                log.warning("KV format changed: no live engine holds the old one; adopting %s", announced)
+            self.kv_format = announced
+            return True
+        else:
+            reason = (
+                f"KV format {announced.fingerprint!r} (block_size={announced.block_size}) differs from the "
+                f"adopted {self.kv_format.fingerprint!r} (block_size={self.kv_format.block_size})"
+            )
+        if self.refused.get(report.service_id) != reason:
+            log.error("engine refused engine=%s: %s", report.service_id, reason)
+        self.refused[report.service_id] = reason
+        return False
+
+    def _has_live_format(self, now: float) -> bool:
+        return any(st.report.kv_format == self.kv_format for st in self.live(now, roles=ENGINE_ROLES))
 
     def note_assigned(self, service_id: str, tokens: int, *, kv_tokens: int = 0) -> None:
         state = self._engines.get(service_id)

@@ -1,41 +1,44 @@
-"""The router's KV plan for a request: how much of the prompt's prefix is stored (asks the index)."""
+"""The KV part of a request's plan: the prompt's block hashes (computed here, once per request) and how many
+leading blocks are stored (asked of the index)."""
 
 from __future__ import annotations
 
 import logging
 
 from services.router import metrics
-from services.router.prompts import PreparedPrompt
 from shared import telemetry
+from shared.blocks import max_hit_blocks
 from shared.bus import Bus
 from shared.errors import KvpathError
 from shared.hashing import block_hashes
 from shared.kvclient import IndexClient
+from shared.protocol import KvFormat, KvPlan
 
 log = logging.getLogger(__name__)
 
 
 class KvPlanner:
-    """Hashes a prompt's full blocks and asks the index for the longest stored prefix.
+    """Hashes a prompt's full blocks with the engines' KV format and asks the index for the longest stored
+    prefix among the first `max_hit_blocks` of them.
 
-    At most (prompt_len - 1) // block_size blocks count: one prompt token is always computed to sample the
-    first output token. An index that is down or slow is a miss (the request recomputes), counted by outcome.
+    The hashes of every full block travel to the engines, which persist the blocks under them; with
+    `use_index` off (no KV reuse) nothing is looked up. An index that is down or slow is a miss (the request
+    recomputes), counted by outcome.
     """
 
-    def __init__(self, bus: Bus, *, fingerprint: str, block_size: int, timeout_s: float) -> None:
-        self.index = IndexClient(bus)
-        self.fingerprint = fingerprint
-        self.block_size = block_size
+    def __init__(self, bus: Bus, *, use_index: bool, timeout_s: float) -> None:
+        self.index = IndexClient(bus) if use_index else None
         self.timeout_s = timeout_s
 
-    def hashes(self, token_ids: list[int]) -> list[int]:
-        usable = (len(token_ids) - 1) // self.block_size
-        return block_hashes(token_ids[: usable * self.block_size], self.block_size, self.fingerprint)
+    async def plan(self, token_ids: list[int], kv_format: KvFormat, request_id: str) -> KvPlan:
+        hashes = block_hashes(token_ids, kv_format.block_size, kv_format.fingerprint)
+        usable = hashes[: max_hit_blocks(len(token_ids), kv_format.block_size)]
+        if self.index is None or not usable:
+            return KvPlan(block_hashes=hashes)
+        return KvPlan(block_hashes=hashes, num_hit_blocks=await self._lookup(usable, request_id))
 
-    async def plan(self, prompt: PreparedPrompt, request_id: str) -> dict:
-        hashes = self.hashes(prompt.token_ids)
-        if not hashes:
-            return {}
+    async def _lookup(self, hashes: list[int], request_id: str) -> int:
+        assert self.index is not None
         with telemetry.span("index.lookup") as span:
             try:
                 result = await self.index.match(hashes, timeout_s=self.timeout_s)
@@ -44,13 +47,11 @@ class KvPlanner:
                 log.warning("index lookup failed request_id=%s: %s", request_id, exc.message)
                 if span is not None:
                     span.set_attributes({"outcome": "error", "error.code": exc.code})
-                return {}
+                return 0
             if span is not None:
-                span.set_attributes(
-                    {"num_prompt_blocks": len(hashes), "num_hit_blocks": result.num_hit_blocks}
-                )
+                span.set_attributes({"num_blocks": len(hashes), "num_hit_blocks": result.num_hit_blocks})
         metrics.INDEX_LOOKUPS.labels("hit" if result.num_hit_blocks else "miss").inc()
         log.debug(
             "index lookup request_id=%s hit_blocks=%d/%d", request_id, result.num_hit_blocks, len(hashes)
         )
-        return {"num_hit_blocks": result.num_hit_blocks, "num_prompt_blocks": len(hashes)}
+        return min(result.num_hit_blocks, len(hashes))

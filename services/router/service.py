@@ -14,8 +14,6 @@ from services.router import handlers
 from services.router.api import ApiContext, add_api_routes
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
-from services.router.disagg import DisaggregatedDispatch, Dispatcher, SchedulerParams
-from services.router.kv_plan import KvPlanner
 from shared import telemetry
 from shared.protocol import ServiceInfo
 from shared.service import Service
@@ -33,40 +31,11 @@ class RouterService(Service):
         from gpu.model_spec import load_model_spec
         from gpu.tokenizer import load_tokenizer
 
-        cache_dir = config.model_cache_dir or None
-        self.spec = load_model_spec(config.model, cache_dir)
+        self.spec = load_model_spec(config.model, config.model_cache_dir or None)
         self.tokenizer = load_tokenizer(self.spec.model_dir)
         self.model_name = config.served_model_name or self.spec.name
+        # the KV format (fingerprint, block size) comes from the engines' load reports, never from here
         self.core = RouterCore(config, self.bus, self.service_id)
-        if config.use_kv_cache:
-            from gpu.model_spec import default_dtype
-
-            fingerprint = self.spec.fingerprint(config.kv_dtype or default_dtype("cpu"), config.block_size)
-            self.core.kv_planner = KvPlanner(
-                self.bus,
-                fingerprint=fingerprint,
-                block_size=config.block_size,
-                timeout_s=config.index_timeout_s,
-            )
-
-        self.dispatcher: Dispatcher | None = None
-        if config.policy != "colocated":
-            from gpu.model_spec import default_dtype
-
-            dtype = config.kv_dtype or default_dtype("cpu")
-            params = SchedulerParams(
-                policy=config.policy,
-                block_size=config.block_size,
-                kv_bytes_per_token=self.spec.num_layers * self.spec.kv_bytes_per_token_layer(dtype),
-                alpha_s=config.alpha_s,
-                beta_s=config.beta_s,
-                z_factor=config.z_factor,
-                force_read_side=config.force_read_side,
-            )
-            self.dispatcher = Dispatcher(self.core.engines, params)
-            self.core.disagg = DisaggregatedDispatch(
-                self.dispatcher, self.bus, self.service_id, config.task_ack_timeout_s
-            )
 
     def add_routes(self, app: web.Application) -> None:
         telemetry.install_http_tracing(app)  # HTTP request and stream spans, only while tracing is on
@@ -91,8 +60,7 @@ class RouterService(Service):
         )
         await self.bus.subscribe_raw(subjects.load_all, handlers.load_report_handler(self.core))
         self.spawn(self._watch_engines(), "watch-engines")
-        if self.dispatcher is not None:
-            self.spawn(self.dispatcher.run(), "placement")
+        self.spawn(self.core.dispatch.run(), "dispatch")
 
     async def _watch_engines(self) -> None:
         period = min(0.5, self.config.engine_silence_timeout_s / 3)
@@ -107,7 +75,11 @@ class RouterService(Service):
 
     def health(self) -> dict[str, Any]:
         details = super().health()
-        details["engines"] = len(self.core.engines.engine_snapshots(self.config.block_size))
+        engines = self.core.engines
+        block_size = engines.kv_format.block_size if engines.kv_format is not None else 1
+        details["engines"] = len(engines.engine_snapshots(block_size))
+        if engines.refused:
+            details["refused_engines"] = dict(engines.refused)
         details["inflight"] = self.core.inflight
         return details
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from services.storage import metrics
+from services.storage.reader import BlockReader
+from services.storage.writer import BlockWriter
 from shared import logs, telemetry
 from shared.bus import MsgContext
 from shared.errors import InvalidRequestError
@@ -26,15 +29,19 @@ from shared.protocol.kv import (
     StorageWriteRequest,
 )
 
-if TYPE_CHECKING:
-    from services.storage.service import StorageService
-
 log = logging.getLogger(__name__)
 
 
 class StorageHandlers:
-    def __init__(self, service: StorageService) -> None:
-        self.service = service
+    """Takes the read and write paths, what the node buffer is (`info`), and a callback for load changes."""
+
+    def __init__(
+        self, reader: BlockReader, writer: BlockWriter, info: StorageInfo, on_load_change: Callable[[], None]
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.info = info
+        self.on_load_change = on_load_change
 
     async def read(self, msg: StorageReadRequest, ctx: MsgContext) -> StorageReadReply:
         started = time.monotonic()
@@ -42,15 +49,15 @@ class StorageHandlers:
             logs.request_context(msg.request_id),
             telemetry.span("storage.read", parent=ctx.trace_parent) as s,
         ):
-            self.service.report_load_now()
+            self.on_load_change()
             try:
-                lease, reason = await self.service.reader.read(msg)
+                lease, reason = await self.reader.read(msg)
             finally:
-                self.service.report_load_now()
+                self.on_load_change()
                 metrics.READ_SECONDS.observe(time.monotonic() - started)
             num_blocks = lease.num_blocks if lease else 0
             if s is not None:
-                s.set_attributes(_read_attributes(msg, num_blocks, reason, self.service.config.node))
+                s.set_attributes(_read_attributes(msg, num_blocks, reason, self.info.node))
             log.debug(
                 "read request_id=%s blocks=%d/%d miss_reason=%s",
                 msg.request_id, num_blocks, len(msg.block_hashes), reason or "-",
@@ -58,8 +65,8 @@ class StorageHandlers:
         return StorageReadReply(
             request_id=msg.request_id,
             lease_id=lease.lease_id if lease else "",
-            buffer_name=self.service.buffer_name,
-            buffer_epoch=self.service.buffer_epoch,
+            buffer_name=self.info.buffer_name,
+            buffer_epoch=self.info.buffer_epoch,
             offset=lease.offset if lease else 0,
             num_blocks=lease.num_blocks if lease else 0,
             block_bytes=msg.block_bytes,
@@ -72,12 +79,12 @@ class StorageHandlers:
             logs.request_context(msg.request_id),
             telemetry.span("storage.write", parent=ctx.trace_parent) as s,
         ):
-            reply = await self.service.writer.write(msg)
+            reply = await self.writer.write(msg)
             if s is not None:
                 s.set_attributes(
                     {
                         "request_id": msg.request_id,
-                        "node": self.service.config.node,
+                        "node": self.info.node,
                         "num_blocks": len(msg.block_hashes),
                         "num_written": reply.num_written,
                     }
@@ -86,18 +93,12 @@ class StorageHandlers:
             return reply
 
     async def control(self, msg: Message, ctx: MsgContext) -> Message:
-        reader = self.service.reader
+        reader = self.reader
         if isinstance(msg, StorageInfoRequest):
-            return StorageInfo(
-                service_id=self.service.service_id,
-                node=self.service.config.node,
-                buffer_name=self.service.buffer_name,
-                buffer_bytes=self.service.config.buffer_bytes,
-                buffer_epoch=self.service.buffer_epoch,
-            )
+            return self.info
         if isinstance(msg, StorageRelease):
             released = reader.space.release(msg.lease_id)
-            self.service.report_load_now()
+            self.on_load_change()
             return Ack(ok=released, detail="released" if released else "unknown or expired lease")
         if isinstance(msg, StorageCancel):
             num_reads, num_leases = reader.cancel(msg.request_id, drop_leases=True)
@@ -106,7 +107,7 @@ class StorageHandlers:
 
     async def abort(self, msg: Abort, ctx: MsgContext) -> None:
         # the engine still owns leases it holds (it may be copying from them); it releases them itself
-        self.service.reader.cancel(msg.request_id, drop_leases=False)
+        self.reader.cancel(msg.request_id, drop_leases=False)
 
 
 def _read_attributes(msg: StorageReadRequest, num_blocks: int, reason: str, node: int) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 from services.storage import metrics
 from services.storage.block_store import BlockStore
 from services.storage.config import StorageConfig
+from services.storage.handlers import StorageHandlers
 from services.storage.lru import LruCatalog
 from services.storage.reader import BlockReader, ReaderLimits
 from services.storage.token_bucket import TokenBucket
@@ -30,7 +31,13 @@ from services.storage.writer import BlockWriter, WriterLimits
 from shared.errors import KvpathError
 from shared.kvclient import KvEventPublisher
 from shared.protocol import Abort, LoadReport
-from shared.protocol.kv import STORAGE_CONTROL_TYPES, TIER_STORE, StorageReadRequest, StorageWriteRequest
+from shared.protocol.kv import (
+    STORAGE_CONTROL_TYPES,
+    TIER_STORE,
+    StorageInfo,
+    StorageReadRequest,
+    StorageWriteRequest,
+)
 from shared.service import Service
 from shared.shm import ShmSegment
 
@@ -72,8 +79,6 @@ class StorageService(Service):
     # ------------------------------------------------------------------------------------- lifecycle
 
     async def on_start(self) -> None:
-        from services.storage.handlers import StorageHandlers
-
         found = await asyncio.get_running_loop().run_in_executor(self._executor, self._adopt_files)
         self._segment = ShmSegment.create(self.buffer_name, self.config.buffer_bytes, replace=True)
         self.buffer_epoch = time.time_ns()
@@ -82,7 +87,14 @@ class StorageService(Service):
             await self.events.start()
         except KvpathError as exc:  # keep serving reads and writes; events are counted as failed
             log.warning("KV events unavailable node=%s: %s", self.config.node, exc.message)
-        handlers = StorageHandlers(self)
+        info = StorageInfo(
+            service_id=self.service_id,
+            node=self.config.node,
+            buffer_name=self.buffer_name,
+            buffer_bytes=self.config.buffer_bytes,
+            buffer_epoch=self.buffer_epoch,
+        )
+        handlers = StorageHandlers(self.reader, self.writer, info, self.report_load_now)
         subjects, c = self.bus.subjects, self.config
         await self.bus.subscribe(
             subjects.storage_read(c.node),

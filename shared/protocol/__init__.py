@@ -5,15 +5,15 @@ from shared.protocol.messages import (
     Abort,
     Ack,
     ErrorReply,
-    GenerateTask,
+    KvFormat,
     LoadReport,
     SamplingParams,
     ServiceInfo,
-    TaskAck,
     TokenBatch,
     TokenDelta,
 )
 from shared.protocol.subjects import Subjects, check_token
+from shared.protocol.tasks import GenerateTask, KvPlan, RequestPlan, TaskAck
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -21,8 +21,11 @@ __all__ = [
     "Ack",
     "ErrorReply",
     "GenerateTask",
+    "KvFormat",
+    "KvPlan",
     "LoadReport",
     "Message",
+    "RequestPlan",
     "SamplingParams",
     "ServiceInfo",
     "Subjects",

@@ -155,95 +155,116 @@ def _fail(path: str, want: str, value: Any) -> typing.NoReturn:
 
 def _checker_for(typ: Any) -> _Checker:
     origin = typing.get_origin(typ)
-    args = typing.get_args(typ)
     if typ is Any:
         return lambda v, p: v
     if origin in (typing.Union, types.UnionType):
-        inner = [_checker_for(a) for a in args if a is not type(None)]
-        nullable = type(None) in args
-
-        def check_union(v: Any, p: str) -> Any:
-            if v is None and nullable:
-                return None
-            for c in inner:
-                try:
-                    return c(v, p)
-                except ProtocolError:
-                    continue
-            _fail(p, " or ".join(str(a) for a in args), v)
-
-        return check_union
+        return _union_checker(typing.get_args(typ))
     if origin is typing.Literal:
-        allowed = set(args)
-
-        def check_literal(v: Any, p: str) -> Any:
-            if v not in allowed:
-                _fail(p, f"one of {sorted(map(str, allowed))}", v)
-            return v
-
-        return check_literal
+        return _literal_checker(typing.get_args(typ))
     if origin is list:
-        item = _checker_for(args[0]) if args else (lambda v, p: v)
-        if args and args[0] in (int, float, str):
-            scalar = args[0]
-            return lambda v, p: _check_scalar_list(v, p, scalar)
-
-        def check_list(v: Any, p: str) -> Any:
-            if not isinstance(v, list):
-                _fail(p, "a list", v)
-            return [item(x, f"{p}[{i}]") for i, x in enumerate(v)]
-
-        return check_list
+        return _list_checker(typing.get_args(typ))
     if origin is dict:
-        val = _checker_for(args[1]) if args else (lambda v, p: v)
-
-        def check_dict(v: Any, p: str) -> Any:
-            if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
-                _fail(p, "an object with string keys", v)
-            return {k: val(x, f"{p}.{k}") for k, x in v.items()}
-
-        return check_dict
+        return _dict_checker(typing.get_args(typ))
     if isinstance(typ, type) and issubclass(typ, Message):
+        return _message_checker(typ)
+    scalar = _SCALAR_CHECKERS.get(typ)
+    if scalar is None:
+        raise TypeError(f"unsupported message field type {typ!r}")
+    return scalar
 
-        def check_msg(v: Any, p: str) -> Any:
-            if not isinstance(v, dict):
-                _fail(p, f"a {typ.KIND or typ.__name__} object", v)
-            return _build(typ, v, p)
 
-        return check_msg
-    if typ is bool:
+def _union_checker(args: tuple[Any, ...]) -> _Checker:
+    inner = [_checker_for(a) for a in args if a is not type(None)]
+    nullable = type(None) in args
 
-        def check_bool(v: Any, p: str) -> Any:
-            if not isinstance(v, bool):
-                _fail(p, "a boolean", v)
-            return v
+    def check_union(v: Any, p: str) -> Any:
+        if v is None and nullable:
+            return None
+        for c in inner:
+            try:
+                return c(v, p)
+            except ProtocolError:
+                continue
+        _fail(p, " or ".join(str(a) for a in args), v)
 
-        return check_bool
-    if typ is int:
+    return check_union
 
-        def check_int(v: Any, p: str) -> Any:
-            if not isinstance(v, int) or isinstance(v, bool):
-                _fail(p, "an integer", v)
-            return v
 
-        return check_int
-    if typ is float:
+def _literal_checker(args: tuple[Any, ...]) -> _Checker:
+    allowed = set(args)
 
-        def check_float(v: Any, p: str) -> Any:
-            if not isinstance(v, int | float) or isinstance(v, bool):
-                _fail(p, "a number", v)
-            return float(v)
+    def check_literal(v: Any, p: str) -> Any:
+        if v not in allowed:
+            _fail(p, f"one of {sorted(map(str, allowed))}", v)
+        return v
 
-        return check_float
-    if typ is str:
+    return check_literal
 
-        def check_str(v: Any, p: str) -> Any:
-            if not isinstance(v, str):
-                _fail(p, "a string", v)
-            return v
 
-        return check_str
-    raise TypeError(f"unsupported message field type {typ!r}")
+def _list_checker(args: tuple[Any, ...]) -> _Checker:
+    if args and args[0] in (int, float, str):
+        scalar = args[0]
+        return lambda v, p: _check_scalar_list(v, p, scalar)
+    item = _checker_for(args[0]) if args else (lambda v, p: v)
+
+    def check_list(v: Any, p: str) -> Any:
+        if not isinstance(v, list):
+            _fail(p, "a list", v)
+        return [item(x, f"{p}[{i}]") for i, x in enumerate(v)]
+
+    return check_list
+
+
+def _dict_checker(args: tuple[Any, ...]) -> _Checker:
+    val = _checker_for(args[1]) if args else (lambda v, p: v)
+
+    def check_dict(v: Any, p: str) -> Any:
+        if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+            _fail(p, "an object with string keys", v)
+        return {k: val(x, f"{p}.{k}") for k, x in v.items()}
+
+    return check_dict
+
+
+def _message_checker(typ: type[Message]) -> _Checker:
+    def check_msg(v: Any, p: str) -> Any:
+        if not isinstance(v, dict):
+            _fail(p, f"a {typ.KIND or typ.__name__} object", v)
+        return _build(typ, v, p)
+
+    return check_msg
+
+
+def _check_bool(v: Any, p: str) -> Any:
+    if not isinstance(v, bool):
+        _fail(p, "a boolean", v)
+    return v
+
+
+def _check_int(v: Any, p: str) -> Any:
+    if not isinstance(v, int) or isinstance(v, bool):
+        _fail(p, "an integer", v)
+    return v
+
+
+def _check_float(v: Any, p: str) -> Any:
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        _fail(p, "a number", v)
+    return float(v)
+
+
+def _check_str(v: Any, p: str) -> Any:
+    if not isinstance(v, str):
+        _fail(p, "a string", v)
+    return v
+
+
+_SCALAR_CHECKERS: dict[Any, _Checker] = {
+    bool: _check_bool,
+    int: _check_int,
+    float: _check_float,
+    str: _check_str,
+}
 
 
 def _check_scalar_list(v: Any, p: str, scalar: type) -> Any:

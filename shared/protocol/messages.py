@@ -1,8 +1,8 @@
-"""Core message schemas: errors, registry entries, load reports, generation tasks, token streams, aborts.
+"""Core message schemas: errors, registry entries, load reports, sampling, token streams, aborts.
 
-KV-specific records (events, index, storage) live in `shared.protocol.kv`; data-plane notices in
-`shared.protocol.transfer`. Adding a field with a default is compatible; removing or retyping one bumps
-the kind's VERSION.
+Tasks (router -> engine) and the records engines exchange live in `shared.protocol.tasks`; KV-specific
+records (events, index, storage) in `shared.protocol.kv`; data-plane records in `shared.protocol.transfer`.
+Adding a field with a default is compatible; removing or retyping one bumps the kind's VERSION.
 """
 
 from __future__ import annotations
@@ -36,6 +36,18 @@ class Ack(Message):
 
 
 @message
+class KvFormat(Message):
+    """What makes two engines' KV interchangeable: blocks hashed with one fingerprint (model, KV dtype, block
+    size: `gpu.model_spec.ModelSpec.fingerprint`), of `block_size` tokens and `bytes_per_token` over all
+    layers. Engines announce theirs; the router hashes prompts with it and refuses engines that differ."""
+
+    KIND = "kv_format"
+    fingerprint: str
+    block_size: int
+    bytes_per_token: int
+
+
+@message
 class ServiceInfo(Message):
     """Registry value of one live service, refreshed by its heartbeat."""
 
@@ -52,6 +64,7 @@ class ServiceInfo(Message):
     heartbeat_at: float = 0.0
     model: str = ""
     endpoints: dict[str, str] = field(default_factory=dict)  # data-plane endpoints by backend
+    kv_format: KvFormat | None = None  # engines: the KV format they announce (also in their load reports)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -74,6 +87,7 @@ class LoadReport(Message):
     read_queue_bytes: int = 0
     is_draining: bool = False
     rates: dict[str, float] = field(default_factory=dict)  # measured rates, e.g. prefill_tokens_per_s
+    kv_format: KvFormat | None = None  # engines: the KV their cache holds
 
 
 @message
@@ -86,31 +100,6 @@ class SamplingParams(Message):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
-
-
-@message
-class GenerateTask(Message):
-    """Router -> engine (`task.<engine>`, request/ack): generate for one prompt, stream to `router_id`."""
-
-    KIND = "generate_task"
-    request_id: str
-    router_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    deadline_unix_s: float
-    session_id: str = ""
-    kv: dict[str, Any] = field(
-        default_factory=dict
-    )  # KV plan (hits, read side, peers); see shared.protocol.kv
-
-
-@message
-class TaskAck(Message):
-    KIND = "task_ack"
-    request_id: str
-    accepted: bool
-    code: str = ""
-    message: str = ""
 
 
 @message

@@ -91,7 +91,7 @@ class KvReceiver:
         return socket.gethostname()
 
     def _open_rdma(self) -> Any:
-        from shared.transport import rdma  # lazy: pyverbs is optional
+        import shared.transport.rdma as rdma  # lazy: pyverbs is optional
 
         ok, reason = rdma.rdma_available(self.config.rdma_device)
         if not ok:

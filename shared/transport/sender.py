@@ -181,14 +181,14 @@ class KvSender:
 
     def _rdma_usable(self) -> bool:
         if self._rdma_checked is None:
-            from shared.transport import rdma  # lazy: pyverbs is optional
+            import shared.transport.rdma as rdma  # lazy: pyverbs is optional
 
             self._rdma_checked = rdma.rdma_available(self.config.rdma_device)
         return self._rdma_checked[0]
 
     def _rdma_side(self) -> Any:
         if self._rdma is None:
-            from shared.transport import rdma
+            import shared.transport.rdma as rdma
 
             self._rdma = rdma.RdmaSenderSide.open(self.config)
         return self._rdma

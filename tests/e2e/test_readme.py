@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from services.up_process import UpProcess
+from services.up.process import UpProcess
 
 pytestmark = pytest.mark.slow
 README = Path(__file__).resolve().parents[2] / "README.md"

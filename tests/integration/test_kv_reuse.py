@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 from collections.abc import AsyncIterator, Iterator
@@ -12,7 +13,7 @@ import aiohttp
 import pytest
 
 from shared.bus import Bus
-from tests.cluster import Stack, UpProcess, wait_ready
+from tests.cluster import ServiceProcess, Stack, UpProcess, wait_ready
 
 pytestmark = pytest.mark.slow
 BLOCK = 64
@@ -144,3 +145,56 @@ async def test_storage_down_still_serves(stack: tuple[Stack, Bus], tmp_path: Pat
             metrics = await resp.text()
     assert 'kvpath_engine_kv_load_misses_total{reason="service_unavailable"}' in metrics
     assert "kvpath_engine_kv_persist_failures_total{" in metrics
+
+
+async def test_the_router_hashes_with_the_engines_kv_format(stack: tuple[Stack, Bus], tmp_path: Path) -> None:
+    """The router has no dtype or block size of its own: bfloat16 engines get hits on turn 2, and an engine
+    announcing another format is refused (listed in the router's health, never sent a request)."""
+    s, bus = stack
+    s.start("index", "index-0")
+    s.start("storage", "storage-0", "--root", str(tmp_path / "store"))
+    s.start("engine", "engine-0", "--dtype", "bfloat16")
+    s.start("router", "router-0", "--http-port", "0")
+    ready = await wait_ready(bus, {"index-0", "storage-0", "engine-0", "router-0"}, s.procs)
+    url = ready["router-0"].http_url
+    assert (
+        ready["engine-0"].kv_format is not None
+        and "dtype=bfloat16" in ready["engine-0"].kv_format.fingerprint
+    )
+    other = s.start("engine", "engine-1", "--dtype", "float32")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        refused = await _until_refused(http, url, "engine-1", other)
+        assert "dtype=float32" in refused and "dtype=bfloat16" in refused
+        prompt = list(range(3, 203))
+        await complete(http, url, prompt, 4, "f")
+        for _ in range(3):
+            again = await complete(http, url, prompt, 4, "f")
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 192
+        async with http.get(f"{url}/health") as resp:
+            assert (await resp.json())["engines"] == 1
+        both = await wait_ready(bus, {"engine-0", "engine-1", "router-0"}, s.procs, num_engines=1)
+        served = {e: await _finished_requests(http, both[e].http_url) for e in ("engine-0", "engine-1")}
+    assert served == {"engine-0": 4.0, "engine-1": 0.0}
+
+
+async def _finished_requests(http: aiohttp.ClientSession, engine_url: str) -> float:
+    async with http.get(f"{engine_url}/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvpath_engine_requests_finished_total{")
+    )
+
+
+async def _until_refused(http: aiohttp.ClientSession, url: str, engine_id: str, proc: ServiceProcess) -> str:
+    """The router's reason for refusing `engine_id`, once its reports arrive (bounded wait)."""
+    deadline = asyncio.get_running_loop().time() + 60
+    while True:
+        async with http.get(f"{url}/health") as resp:
+            refused = (await resp.json()).get("refused_engines", {})
+        if engine_id in refused:
+            return str(refused[engine_id])
+        assert proc.proc.poll() is None, proc.log()
+        assert asyncio.get_running_loop().time() < deadline, "the router never refused the engine"
+        await asyncio.sleep(0.1)

@@ -95,7 +95,8 @@ def test_mooncake_slice_online(cluster: UpProcess, tmp_path: Path) -> None:
     loadgen(*replay.split(), "--url", cluster.url, "--trace", str(MOONCAKE), "--out", str(out))
     result = load_result(out)
     s = result["summary"]
-    assert s["requests"]["completed"] == 30 and s["requests"]["failed"] == 0
+    failures = [(r.get("error_code"), r.get("error")) for r in result["requests"] if r.get("error")]
+    assert s["requests"]["completed"] == 30 and s["requests"]["failed"] == 0, (s["requests"], failures)
     check_request_sanity(result["requests"])
     with MOONCAKE.open() as f:
         last_ms = [orjson.loads(next(f))["timestamp"] for _ in range(30)][-1]

@@ -73,8 +73,10 @@ def test_cluster_wide_settings_agree(compose: Compose) -> None:
     nats = compose.services[nats_host]
     assert split_image(nats["image"])[0] == "nats" and "-js" in nats["command"], "NATS with JetStream"
     assert nats_port == 4222
+    engines = [p.config for p in compose.kvpath.values() if p.service == "engine"]
+    # the router takes the KV format from the engines: they must agree among themselves
+    assert len({(c.block_size, c.dtype) for c in engines}) == 1, "engines must agree on the KV format"
     sized = [p.config for p in compose.kvpath.values() if p.service in ("router", "engine")]
-    assert len({c.block_size for c in sized}) == 1, "router and engines must agree on the block size"
     assert len({c.model for c in sized}) == 1, "router and engines must serve the same model"
 
 

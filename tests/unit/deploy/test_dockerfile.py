@@ -139,6 +139,16 @@ def test_entrypoint_is_the_kvpath_console_script_run_by_a_non_root_user() -> Non
     assert user.isdigit() and int(user) != 0, "numeric non-root user (runAsNonRoot can verify it)"
 
 
+def test_the_image_installs_the_commands_of_higher_floors() -> None:
+    """`kvpath loadgen` and `kvpath bench` exist only as entry points of the installed distribution."""
+    plugins = PYPROJECT["project"]["entry-points"]["kvpath.commands"]
+    assert plugins == {"loadgen": "loadgen.cli:register", "bench": "loadgen.bench:register"}
+    copied = {rest.split()[0] for op, rest in instructions() if op == "COPY"}
+    assert "loadgen/" in copied
+    runs = " ".join(rest for op, rest in instructions() if op == "RUN")
+    assert "pip install --no-deps ." in runs, "installed (with its entry points), not just put on the path"
+
+
 def test_healthcheck_runs_the_copied_script() -> None:
     ops = dict(instructions())
     cmd = json.loads(ops["HEALTHCHECK"].split(" CMD ", 1)[1])

@@ -234,8 +234,10 @@ def test_cluster_wide_settings_agree(deployment: Deployment) -> None:
     (nats,) = _pods_selected(deployment, services[host]["spec"]["selector"])
     assert split_image(nats.pod["containers"][0]["image"])[0] == "nats"
     assert "-js" in nats.pod["containers"][0]["args"], "JetStream on"
+    engines = [c.parsed.config for c in deployment.kvpath if c.parsed.service == "engine"]
+    assert len({(c.block_size, c.dtype) for c in engines}) == 1, "engines must agree on the KV format"
     sized = [c.parsed.config for c in deployment.kvpath if c.parsed.service in ("router", "engine")]
-    assert len({(c.block_size, c.model) for c in sized}) == 1
+    assert len({c.model for c in sized}) == 1
 
 
 def test_gpu_overlay_gives_each_engine_a_gpu(deployment: Deployment) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Sequence as Seq
 
 from services.engine.scheduler import EngineScheduler, StepPlan
 from services.engine.sequence import SeqStatus, Sequence
-from shared.protocol import SamplingParams
+from shared.protocol import RequestPlan, SamplingParams
 
 
 class FreeList:
@@ -30,14 +30,14 @@ class FreeList:
 
 
 def seq(rid: str, n_prompt: int, max_tokens: int = 8) -> Sequence:
-    return Sequence(
+    plan = RequestPlan(
         request_id=rid,
         router_id="r",
         prompt_token_ids=list(range(n_prompt)),
         sampling=SamplingParams(max_tokens=max_tokens),
         deadline_unix_s=1e12,
-        arrived_at=0.0,
     )
+    return Sequence(plan=plan, arrived_at=0.0)
 
 
 def sched(blocks: int = 16, budget: int = 64, max_seqs: int = 8) -> EngineScheduler:

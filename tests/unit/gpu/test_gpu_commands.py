@@ -1,4 +1,4 @@
-"""`kvpath generate` as a real subprocess, and `kvpath bench model` end to end on a small setting."""
+"""`kvpath generate` as a real subprocess and in-process with its options."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from gpu.bench import BenchConfig, format_table, rows_json, run_bench
 from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq
 from gpu.sampling import SamplingOptions
 from services.cli import main as cli_main
@@ -87,27 +86,3 @@ def test_generate_options(model_cache: str, capsys: pytest.CaptureFixture[str]) 
     assert code == 2 and "not found" in err
     code, _, err = run_cli(capsys, model_cache, "generate", "--model", "tiny", "--prompt-ids", "1,x")
     assert code == 2 and "integers" in err
-
-
-def test_bench_model_runs_side_by_side(model_cache: str, tmp_path: Path) -> None:
-    config = BenchConfig(
-        models=["tiny", "tiny-mla"],
-        batch_sizes=[1, 2],
-        prompt_len=8,
-        new_tokens=3,
-        repeats=1,
-        cache_dir=model_cache,
-    )
-    rows = run_bench(config)
-    assert [(r.model, r.batch_size) for r in rows] == [
-        ("tiny", 1),
-        ("tiny", 2),
-        ("tiny-mla", 1),
-        ("tiny-mla", 2),
-    ]
-    for row in rows:
-        assert row.prefill_tok_s > 0 and row.decode_tok_s > 0
-        assert row.hf_prefill_tok_s and row.hf_decode_tok_s and row.decode_speedup
-    table = format_table(rows)
-    assert "tiny-mla" in table and "hf decode" in table
-    assert len(json.loads(rows_json(rows, config))["rows"]) == 4

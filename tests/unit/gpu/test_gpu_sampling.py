@@ -33,7 +33,8 @@ def test_tiny_top_p_is_greedy() -> None:
 def test_top_p_keeps_the_nucleus_only() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     sampler = Sampler()
-    seen = {draw(sampler, logits, [SamplingOptions(top_p=0.75, seed=3)], ["r"])[0] for _ in range(300)}
+    options = SamplingOptions.seeded(3, top_p=0.75)
+    seen = {draw(sampler, logits, [options], ["r"])[0] for _ in range(300)}
     assert seen == {0, 1}  # 0.5 + 0.3 reaches 0.75; tokens 2 and 3 are cut
 
 
@@ -41,17 +42,19 @@ def test_sampling_follows_the_distribution() -> None:
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     sampler = Sampler()
     counts = torch.zeros(3)
+    options = SamplingOptions.seeded(11)
     for _ in range(2000):
-        counts[draw(sampler, logits, [SamplingOptions(seed=11)], ["r"])[0]] += 1
+        counts[draw(sampler, logits, [options], ["r"])[0]] += 1
     assert torch.allclose(counts / counts.sum(), torch.tensor([0.7, 0.2, 0.1]), atol=0.05)
 
 
 def test_same_seed_same_tokens_regardless_of_batch() -> None:
     logits = logits_batch(4, seed=2)
-    seeded = SamplingOptions(temperature=1.0, seed=42)
+    seeded = SamplingOptions.seeded(42)
     alone = Sampler()
     solo = [draw(alone, logits[1:2], [seeded], ["x"])[0] for _ in range(10)]
     mixed = Sampler()  # the seeded request shares every batch with unseeded ones
+    seeded = SamplingOptions.seeded(42)  # the same request again: a fresh generator
     together = [
         draw(mixed, logits, [SamplingOptions(), seeded, SamplingOptions(), SamplingOptions()], list("axbc"))[
             1
@@ -60,17 +63,19 @@ def test_same_seed_same_tokens_regardless_of_batch() -> None:
     ]
     assert solo == together
     assert len(set(solo)) > 1  # it really samples
-    other_seed = Sampler()
-    different = [draw(other_seed, logits[1:2], [SamplingOptions(seed=7)], ["x"])[0] for _ in range(10)]
+    other_seed = SamplingOptions.seeded(7)
+    different = [draw(Sampler(), logits[1:2], [other_seed], ["x"])[0] for _ in range(10)]
     assert different != solo
 
 
-def test_release_restarts_the_generator() -> None:
+def test_the_generator_belongs_to_the_request_not_the_sampler() -> None:
     logits = logits_batch(1, seed=3)
     sampler = Sampler()
-    first = [draw(sampler, logits, [SamplingOptions(seed=5)], ["x"])[0] for _ in range(8)]
-    sampler.release("x")
-    assert [draw(sampler, logits, [SamplingOptions(seed=5)], ["x"])[0] for _ in range(8)] == first
+    options = SamplingOptions.seeded(5)
+    first = [draw(sampler, logits, [options], ["x"])[0] for _ in range(8)]
+    assert len(set(first)) > 1
+    again = SamplingOptions.seeded(5)  # a new request with the same seed, same sampler: the same tokens
+    assert [draw(sampler, logits, [again], ["x"])[0] for _ in range(8)] == first
 
 
 def test_banned_tokens_are_never_chosen() -> None:
@@ -88,9 +93,8 @@ def test_banned_tokens_are_never_chosen() -> None:
 
 
 async def test_runner_same_seed_same_generation(tiny_runner: ModelRunner) -> None:
-    options = SamplingOptions(temperature=1.0, top_p=0.9, seed=1234)
-
     async def generate(seq_id: str) -> list[int]:
+        options = SamplingOptions.seeded(1234, top_p=0.9)
         ids = tiny_runner.tokenizer.encode("seeded")
         blocks = tiny_runner.kv.allocate(1)
         try:
@@ -101,7 +105,6 @@ async def test_runner_same_seed_same_generation(tiny_runner: ModelRunner) -> Non
                 out.append((await tiny_runner.decode([decode]))[0])
             return out
         finally:
-            tiny_runner.release(seq_id)
             tiny_runner.kv.free(blocks)
 
     first, second = await generate("a"), await generate("b")

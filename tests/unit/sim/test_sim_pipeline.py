@@ -10,7 +10,7 @@ import pytest
 
 from loadgen.sim.config import SimConfig, resolve
 from loadgen.sim.lifecycle import ClusterSim
-from loadgen.sim.models import ModelSpec
+from loadgen.sim.models import SimModel
 from loadgen.sim.pipeline import RankBatch, layerwise_finish_s, non_layerwise_finish_s, step_timing
 from loadgen.sim.requests import RECORD_FIELDS
 from loadgen.sim.workload import AgentPlan, Workload
@@ -28,8 +28,8 @@ def test_layerwise_transfer_bound_and_compute_bound() -> None:
     assert non_layerwise_finish_s(0.0, 3, 2.0, 1.0) == pytest.approx(9.0)
 
 
-def _toy_model(**overrides: object) -> ModelSpec:
-    base = ModelSpec(
+def _toy_model(**overrides: object) -> SimModel:
+    base = SimModel(
         name="toy",
         description="hand-computable: 2 layers, linear FLOPs only",
         num_layers=2,

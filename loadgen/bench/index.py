@@ -24,7 +24,7 @@ from services.index.index import BlockIndex
 from shared.protocol.kv import BlockStored
 
 
-def register_bench(subparsers: Any) -> None:
+def register(subparsers: Any) -> None:
     p = subparsers.add_parser("index", help="index memory per block and prefix-match latency")
     p.add_argument("--blocks", type=int, default=1_000_000, help="block hashes to index")
     p.add_argument("--chain", type=int, default=512, help="hashes per match request")

@@ -1,4 +1,5 @@
-"""`kvpath bench model`: prefill and decode tokens/s of the runtime next to transformers' generate.
+"""Timed runs of the model runtime next to transformers' generate: prefill and decode tokens/s (the timing
+behind `kvpath bench model`, whose command, table and JSON are in loadgen/bench/model.py).
 
 Both run the same HF folder, the same prompts (random token ids, fixed seed), the same number of new tokens,
 greedy, in one process with the same torch thread count. Runs alternate between the two. Tokens/s are from
@@ -11,13 +12,12 @@ splits it into prefill and decode.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,7 +51,7 @@ def _clock(timing: Timing, phase: str, device: torch.device | str) -> Iterator[N
 
 
 @dataclass(slots=True)
-class BenchRow:
+class TimingRow:
     model: str
     batch_size: int
     prompt_len: int
@@ -68,7 +68,7 @@ class BenchRow:
 
 
 @dataclass(slots=True)
-class BenchConfig:
+class TimingConfig:
     models: list[str]
     batch_sizes: list[int]
     prompt_len: int = 128
@@ -147,7 +147,7 @@ def time_transformers(model: Any, token_ids: list[list[int]], new_tokens: int) -
     )
 
 
-async def bench_model(name: str, config: BenchConfig) -> list[BenchRow]:
+async def time_model(name: str, config: TimingConfig) -> list[TimingRow]:
     max_batch = max(config.batch_sizes)
     runner = ModelRunner.load(
         name,
@@ -177,10 +177,10 @@ async def bench_model(name: str, config: BenchConfig) -> list[BenchRow]:
 
 
 def _row(
-    name: str, batch_size: int, config: BenchConfig, ours: list[Timing], theirs: list[Timing]
-) -> BenchRow:
+    name: str, batch_size: int, config: TimingConfig, ours: list[Timing], theirs: list[Timing]
+) -> TimingRow:
     prefill_tokens, decode_tokens = batch_size * config.prompt_len, batch_size * config.new_tokens
-    row = BenchRow(
+    row = TimingRow(
         model=name,
         batch_size=batch_size,
         prompt_len=config.prompt_len,
@@ -206,35 +206,16 @@ def _load_transformers(runner: ModelRunner) -> Any:
     return model.to(runner.device).eval()
 
 
-def run_bench(config: BenchConfig) -> list[BenchRow]:
-    rows: list[BenchRow] = []
+def run_timings(config: TimingConfig) -> list[TimingRow]:
+    rows: list[TimingRow] = []
     for name in config.models:
-        rows.extend(asyncio.run(bench_model(name, config)))
+        rows.extend(asyncio.run(time_model(name, config)))
     return rows
 
 
-def format_table(rows: list[BenchRow]) -> str:
-    def num(value: float | None, fmt: str = ".0f") -> str:
-        return "-" if value is None else format(value, fmt)
-
-    header = (
-        f"{'model':<10} {'batch':>5} {'prefill tok/s':>14} {'hf prefill':>11} "
-        f"{'decode tok/s':>13} {'hf decode':>10} {'decode x':>9} {'x (cpu)':>8}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(
-            f"{r.model:<10} {r.batch_size:>5} {num(r.prefill_tok_s):>14} {num(r.hf_prefill_tok_s):>11} "
-            f"{num(r.decode_tok_s):>13} {num(r.hf_decode_tok_s):>10} {num(r.decode_speedup, '.2f'):>9} "
-            f"{num(r.decode_speedup_cpu, '.2f'):>8}"
-        )
-    return "\n".join(lines)
+def set_torch_threads(num_threads: int) -> None:
+    torch.set_num_threads(num_threads)
 
 
-def rows_json(rows: list[BenchRow], config: BenchConfig) -> str:
-    payload = {
-        "config": asdict(config),
-        "torch_threads": torch.get_num_threads(),
-        "rows": [{**asdict(r), "decode_speedup": r.decode_speedup} for r in rows],
-    }
-    return json.dumps(payload, indent=2)
+def torch_threads() -> int:
+    return int(torch.get_num_threads())

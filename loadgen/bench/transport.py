@@ -1,6 +1,6 @@
 """`kvpath bench transport`: throughput of the shm and tcp backends against a plain socket copy.
 
-The receiver runs in a child process (`python -m shared.transport.bench --serve`), the sender here. Per
+The receiver runs in a child process (`python -m loadgen.bench.transport --serve`), the sender here. Per
 message size, the sender streams `--total-mib` of messages, each a `write(..., tag=k)` whose notice the
 child consumes, with `--window` writes in flight; a message counts when its write returned (bytes in the
 receiver's region, notice posted). Baseline: the same bytes over one plain TCP socket, `sendall` here and
@@ -34,7 +34,7 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
-def register_bench(subparsers: Any) -> None:
+def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("transport", help="KV data plane throughput: shm, tcp, plain socket")
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes (K/M suffixes)")
     parser.add_argument("--total-mib", type=int, default=256, help="bytes streamed per size and backend")
@@ -50,7 +50,7 @@ def run_bench(args: argparse.Namespace) -> int:
     backends = [b for b in args.backends.split(",") if b]
     region_bytes = max(sizes) * max(_SLOTS, args.blocks_per_write)
     child = subprocess.Popen(
-        [sys.executable, "-m", "shared.transport.bench", "--serve", str(region_bytes)],
+        [sys.executable, "-m", "loadgen.bench.transport", "--serve", str(region_bytes)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -217,7 +217,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
         asyncio.run(_serve(int(sys.argv[2])))
     else:
-        main_parser = argparse.ArgumentParser(prog="python -m shared.transport.bench")
-        register_bench(main_parser.add_subparsers(dest="bench", required=True))
+        main_parser = argparse.ArgumentParser(prog="python -m loadgen.bench.transport")
+        register(main_parser.add_subparsers(dest="bench", required=True))
         parsed = main_parser.parse_args()
         sys.exit(parsed.func(parsed))

@@ -72,7 +72,7 @@ class BenchStack:
         for i in range(self.opts.engines):
             self._spawn(
                 f"bench-engine-{i}",
-                ["-m", "services.router.bench_engine", "--step-hz", str(self.opts.step_hz)],
+                ["-m", "loadgen.bench.load_driver", "--step-hz", str(self.opts.step_hz)],
             )
 
     def _spawn(self, service_id: str, args: list[str], cwd: str | None = None) -> None:

@@ -80,8 +80,7 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
         spec.host,
         "--http-port",
         str(spec.http_port),
-        *common,
-    ]
+    ]  # the router takes the block size (and the whole KV format) from the engines' reports
     if not spec.with_kv_store:
         router_args.append("--no-use-kv-cache")
     procs.append(ProcessSpec("router-0", "router", router_args + spec.extra_router_args, kind="router"))

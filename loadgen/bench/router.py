@@ -1,11 +1,9 @@
-"""`kvpath bench serve` and `kvpath bench router`.
+"""`kvpath bench router`: the router and the bus alone.
 
-  bench serve   an OpenAI streaming client against any server (`bench_client.py`): tokens/s, req/s,
-                TTFT, ITL and e2e percentiles.
-  bench router  the router and the bus alone: nats-server, a real `kvpath serve router` and E load-driver
-                processes posing as engines (`bench_engine.py`: one TokenBatch per step, no model), with the
-                client (`bench serve`, many concurrent SSE streams) in a process of its own. Reports the
-                streamed tokens/s through the router and every process's CPU% over the client's window.
+nats-server, a real `kvpath serve router` and E load-driver processes posing as engines (`load_driver.py`:
+one TokenBatch per step, no model; the processes are `stack.py`'s), with the client (`kvpath bench serve`,
+`serve.py`: many concurrent SSE streams) in a process of its own. Reports the streamed tokens/s through the
+router and every process's CPU% over the client's window.
 
 The router's CPU budget: by default the OS schedules every process on every core; `--pin` gives the router
 CPU 0 alone and puts nats-server, the load drivers and the client on the other CPUs.
@@ -24,8 +22,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from services.router.bench_client import ServeBenchConfig, format_summary, run_serve_bench
-from services.router.bench_stack import (
+from loadgen.bench.serve import ServeBenchConfig, run_async, run_serve_bench
+from loadgen.bench.stack import (
     BenchStack,
     CpuSampler,
     RouterBenchOptions,
@@ -40,22 +38,7 @@ from shared.logs import setup_logging
 TARGET_TOKENS_PER_S = 20_000
 
 
-def register_bench(subparsers: Any) -> None:
-    p = subparsers.add_parser("serve", help="OpenAI streaming client: tokens/s, TTFT, ITL (any server)")
-    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", default="", help="model name (default: the first of GET /v1/models)")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
-    p.add_argument("--requests", type=int, default=64, help="requests in all")
-    p.add_argument("--prompt-tokens", type=int, default=128, help="random prompt token ids per request")
-    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
-    p.add_argument("--shared-prefix-tokens", type=int, default=0, help="leading prompt tokens all share")
-    p.add_argument("--token-id-range", type=int, nargs=2, default=(32, 127), metavar=("LO", "HI"))
-    p.add_argument("--openai-only", action="store_true", help="no ignore_eos / return_token_ids extensions")
-    p.add_argument("--seed", type=int, default=0, help="prompt RNG seed")
-    p.add_argument("--json", default="", help="also write the results to this file")
-    p.add_argument("--quiet", action="store_true", help="print nothing (with --json)")
-    p.set_defaults(func=run_serve)
-
+def register(subparsers: Any) -> None:
     r = subparsers.add_parser("router", help="router + bus alone: streamed tokens/s through one router")
     r.add_argument("--streams", type=int, default=256, help="concurrent SSE streams")
     r.add_argument("--tokens-per-stream", type=int, default=500, help="output tokens per request")
@@ -72,48 +55,6 @@ def register_bench(subparsers: Any) -> None:
     r.add_argument("--keep-logs", default="", help="copy the service logs to this directory")
     r.add_argument("--json", default="", help="also write the results to this file")
     r.set_defaults(func=run_router)
-
-
-# ------------------------------------------------------------------------------------------ bench serve
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    lo, hi = args.token_id_range
-    cfg = ServeBenchConfig(
-        url=args.url,
-        model=args.model,
-        concurrency=args.concurrency,
-        num_requests=args.requests,
-        prompt_tokens=args.prompt_tokens,
-        max_tokens=args.max_tokens,
-        shared_prefix_tokens=args.shared_prefix_tokens,
-        prompt_token_lo=lo,
-        prompt_token_hi=hi,
-        openai_only=args.openai_only,
-        seed=args.seed,
-    )
-    try:
-        out = _run_async(run_serve_bench(cfg))
-    except (ValueError, aiohttp.ClientError, OSError) as exc:
-        print(f"kvpath bench serve: {exc}", file=sys.stderr)
-        return 2
-    if not args.quiet:
-        print(format_summary(out), flush=True)
-    if args.json:
-        Path(args.json).write_bytes(
-            orjson.dumps(out, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
-        )
-    return 0 if out["num_failed"] == 0 and out["num_ok"] > 0 else 1
-
-
-def _run_async(coro: Any) -> Any:
-    from shared.service import install_uvloop
-
-    install_uvloop()
-    return asyncio.run(coro)
-
-
-# ----------------------------------------------------------------------------------------- bench router
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -133,7 +74,7 @@ def run_router(args: argparse.Namespace) -> int:
     )
     try:
         opts.validate()
-        out = _run_async(run_router_bench(opts))
+        out = run_async(run_router_bench(opts))
     except (ServiceUnavailableError, RuntimeError, TimeoutError, ValueError) as exc:
         print(f"kvpath bench router: {exc}", file=sys.stderr)
         return 1

@@ -15,9 +15,9 @@ import pytest
 
 from gpu.model_spec import load_model_spec
 from gpu.tokenizer import load_tokenizer
+from loadgen.bench.load_driver import LoadDriverConfig, LoadDriverEngine
 from services.router import handlers
 from services.router.api import _Renderer
-from services.router.bench_engine import LoadDriverConfig, LoadDriverEngine
 from services.router.config import RouterConfig
 from services.router.core import RouterCore, Usage
 from services.router.handlers import decode_token_batch

@@ -1,33 +1,30 @@
-"""Pieces shared by the prefill and decode sides of disaggregated serving.
+"""A registered transport region carved into per-request extents of Full Blocks, which peers write into
+(one-sided): the DE buffer, and the PE's receive area for DE-path hits.
 
-- `ReceiveArea`: a registered transport region carved into per-request extents of Full Blocks (the DE buffer;
-  the PE's receive area for DE-path hits). Every extent has an owner request, a notice slot and an expiry, so
-  a request that is never completed (peer died, aborted mid-transfer) cannot leak buffer space.
-- Tags: notices of an extent use `slot * TAGS_PER_SLOT + layer`; DONE and END are reserved "layers".
-- `PeerPool`: one transport Peer per remote engine, reconnected when broken.
+Every extent has a notice slot and an expiry; the request that reserved it holds it (in its connector
+record) and frees it, and an extent past its expiry is reaped, so a request that is never completed (peer
+died, aborted mid-transfer) cannot leak buffer space. Notices of an extent use tags
+`slot * TAGS_PER_SLOT + layer`; DONE is a reserved "layer".
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import orjson
 
 from shared.blocks import BlockLayout, ExtentAllocator, full_blocks_view
-from shared.errors import KvpathError, OverloadedError, TransportError
-from shared.protocol.disagg import BufferRef
-from shared.transport import KvReceiver, KvSender, Peer, Region
+from shared.errors import OverloadedError
+from shared.protocol.tasks import BufferRef
+from shared.transport import KvReceiver, Region
 
 log = logging.getLogger(__name__)
 
 TAGS_PER_SLOT = 256
-DONE_LAYER = 255  # PE -> DE: the prompt's KV is complete (meta: first token, finish, timings)
-END_LAYER = 254  # DE -> PE: the hit stream stopped early (meta: reason)
+DONE_LAYER = 255  # PE -> DE: the prompt's KV is complete (meta: an encoded PrefillDone)
 _MAX_SLOT = (1 << 32) // TAGS_PER_SLOT
 
 
@@ -35,7 +32,7 @@ def tag(slot: int, layer: int) -> int:
     return slot * TAGS_PER_SLOT + layer
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Extent:
     request_id: str
     offset: int
@@ -45,7 +42,7 @@ class Extent:
 
 
 class ReceiveArea:
-    """Per-request extents of a region that peers write into (one-sided), with notice slots."""
+    """Extents of a region that peers write into (one-sided), with notice slots."""
 
     def __init__(
         self, receiver: KvReceiver, name: str, size_bytes: int, layout: BlockLayout, engine_id: str
@@ -56,7 +53,7 @@ class ReceiveArea:
         self.engine_id = engine_id
         self.region: Region = receiver.register_region(name, size_bytes)
         self._alloc = ExtentAllocator(size_bytes)
-        self._extents: dict[str, Extent] = {}
+        self._extents: set[Extent] = set()  # reserved and not freed, for the reaper
         self._next_slot = 1
 
     @property
@@ -74,11 +71,8 @@ class ReceiveArea:
         slot = self._next_slot
         self._next_slot = self._next_slot % (_MAX_SLOT - 1) + 1
         extent = Extent(request_id, offset, slot, num_blocks, time.monotonic() + ttl_s)
-        self._extents[request_id] = extent
+        self._extents.add(extent)
         return extent
-
-    def get(self, request_id: str) -> Extent | None:
-        return self._extents.get(request_id)
 
     def ref(self, extent: Extent, endpoint: dict[str, Any]) -> BufferRef:
         return BufferRef(
@@ -102,65 +96,21 @@ class ReceiveArea:
         )
         return notice.meta
 
-    def free(self, request_id: str) -> None:
-        extent = self._extents.pop(request_id, None)
-        if extent is not None:
+    def free(self, extent: Extent) -> None:
+        """Give the extent back (idempotent: the reaper may have freed it already)."""
+        if extent in self._extents:
+            self._extents.discard(extent)
             self.receiver.discard(self.name, [tag(extent.slot, layer) for layer in range(TAGS_PER_SLOT)])
             self._alloc.free(extent.offset)
 
     def reap(self) -> int:
         """Free extents past their expiry (their writer died or never finished)."""
         now = time.monotonic()
-        expired = [rid for rid, e in self._extents.items() if e.expires_at < now]
-        for rid in expired:
+        expired = [e for e in self._extents if e.expires_at < now]
+        for extent in expired:
+            rid = extent.request_id
             log.warning(
                 "reaping expired extent area=%s request_id=%s", self.name, rid, extra={"request_id": rid}
             )
-            self.free(rid)
+            self.free(extent)
         return len(expired)
-
-
-def encode_meta(**fields: Any) -> bytes:
-    return orjson.dumps(fields)
-
-
-def decode_meta(meta: bytes) -> dict[str, Any]:
-    try:
-        obj = orjson.loads(meta) if meta else {}
-    except orjson.JSONDecodeError:
-        return {"error": "malformed notice metadata"}
-    return obj if isinstance(obj, dict) else {"error": "malformed notice metadata"}
-
-
-class PeerPool:
-    """One transport Peer per remote engine; a broken one is replaced on next use."""
-
-    def __init__(self, sender: KvSender) -> None:
-        self.sender = sender
-        self._peers: dict[str, Peer] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-
-    async def get(self, ref: BufferRef, *, timeout_s: float) -> Peer:
-        peer = self._peers.get(ref.engine_id)
-        if peer is not None and peer.is_open:
-            return peer
-        async with self._locks.setdefault(ref.engine_id, asyncio.Lock()):
-            peer = self._peers.get(ref.engine_id)
-            if peer is not None and peer.is_open:
-                return peer
-            try:
-                peer = await self.sender.connect(ref.endpoint, timeout_s=timeout_s)
-            except KvpathError:
-                raise
-            except OSError as exc:
-                raise TransportError(f"cannot reach engine {ref.engine_id}: {exc}") from exc
-            self._peers[ref.engine_id] = peer
-            return peer
-
-    async def close(self) -> None:
-        for peer in self._peers.values():
-            try:
-                await peer.close()
-            except Exception as exc:
-                log.debug("peer close failed: %r", exc)
-        self._peers.clear()

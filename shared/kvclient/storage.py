@@ -1,33 +1,16 @@
-"""What engines and the router call to use the KV tiers: index lookups, storage reads/writes, KV events.
-
-    IndexClient(bus).match(hashes)                -> MatchResult (longest stored prefix, per tier)
-    StorageClient(bus, node, layout, fingerprint)   the node's storage service:
-        read(request_id, hashes, deadline_s=)     -> ReadLease (zero-copy views into the node buffer)
-        stage(n) -> StagedBlocks; write(staged, hashes, parents)   persist blocks from the staging segment
-    KvEventPublisher(bus, source)                   BlockStored / BlockRemoved / Cleared events
-    ensure_kv_events_stream(bus)                    create the stream idempotently (whoever starts first)
-
-KV bytes never travel over NATS: reads land in the node's shared-memory buffer and the reply names the
-offset; writes name offsets in a staging segment the client owns and the storage service maps by name.
-Every call has a deadline and raises `shared.errors` types (ServiceUnavailableError when nobody answers,
-DeadlineExceededError on expiry), so callers can fall back to recomputing.
-"""
+"""A node's storage service as engines use it: leased reads into the node buffer, writes from a staging
+segment."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-import nats.errors
-import nats.js.errors
 import numpy as np
-from nats.js.api import StorageType, StreamConfig
 
 from shared.blocks import BlockLayout, ExtentAllocator, layer_view
 from shared.bus import Bus
@@ -38,16 +21,8 @@ from shared.errors import (
     OverloadedError,
     ServiceUnavailableError,
 )
-from shared.protocol import Ack, check_token, encode
+from shared.protocol import Ack, check_token
 from shared.protocol.kv import (
-    BlockRemoved,
-    BlockStored,
-    Cleared,
-    IndexMatchReply,
-    IndexMatchRequest,
-    IndexStats,
-    IndexStatsRequest,
-    KvEvent,
     StorageCancel,
     StorageInfo,
     StorageInfoRequest,
@@ -61,152 +36,7 @@ from shared.shm import ShmSegment
 
 log = logging.getLogger(__name__)
 
-_DUPLICATE_WINDOW_S = 120.0
 _CONTROL_TIMEOUT_S = 2.0
-
-
-# ------------------------------------------------------------------------------------- KV events
-
-
-async def ensure_kv_events_stream(bus: Bus, *, max_bytes: int = -1) -> str:
-    """Create the KV-events JetStream stream if it does not exist (idempotent, race-safe); return its name."""
-    name = bus.subjects.kv_events_stream
-    try:
-        try:
-            await bus.js.stream_info(name)
-            return name
-        except nats.js.errors.NotFoundError:
-            pass
-        config = StreamConfig(
-            name=name,
-            subjects=[bus.subjects.kv_events_all],
-            storage=StorageType.FILE,
-            max_bytes=max_bytes,
-            duplicate_window=_DUPLICATE_WINDOW_S,
-        )
-        try:
-            await bus.js.add_stream(config)
-        except nats.js.errors.BadRequestError:
-            await bus.js.stream_info(name)  # created concurrently by another service
-    except (nats.errors.Error, TimeoutError) as exc:
-        raise ServiceUnavailableError(f"cannot create KV-events stream {name}: {exc!r}") from exc
-    return name
-
-
-class KvEventPublisher:
-    """Publishes one source's KV events in order, with (epoch, seq) for idempotent consumers.
-
-    Publishes are serialized so stream order equals seq order; each waits for the stream's ack and
-    returns the stream sequence (which `IndexClient.wait_applied` can wait for).
-    """
-
-    def __init__(self, bus: Bus, source: str, *, timeout_s: float | None = None) -> None:
-        self.bus = bus
-        self.source = source
-        self.subject = bus.subjects.kv_events(source)
-        self.timeout_s = timeout_s or bus.request_timeout_s
-        self.epoch = time.time_ns()
-        self._seq = 0
-        self._lock = asyncio.Lock()
-
-    async def start(self) -> None:
-        await ensure_kv_events_stream(self.bus)
-
-    async def stored(
-        self,
-        location: str,
-        block_hashes: Sequence[int],
-        parent_hashes: Sequence[int] = (),
-        *,
-        block_tokens: int = 0,
-    ) -> int:
-        """Announce blocks readable at `location`; return the event's stream sequence."""
-        return await self._publish(
-            BlockStored,
-            location=location,
-            block_hashes=[int(h) for h in block_hashes],
-            parent_hashes=[int(h) for h in parent_hashes],
-            block_tokens=block_tokens,
-        )
-
-    async def removed(self, location: str, block_hashes: Sequence[int], *, reason: str = "") -> int:
-        return await self._publish(
-            BlockRemoved, location=location, block_hashes=[int(h) for h in block_hashes], reason=reason
-        )
-
-    async def cleared(self, locations: Sequence[str], *, reason: str = "") -> int:
-        return await self._publish(Cleared, locations=list(locations), reason=reason)
-
-    async def _publish(self, kind: type[KvEvent], **fields: Any) -> int:
-        """Publish the next event of this source; return its stream sequence."""
-        async with self._lock:
-            self._seq += 1
-            event = kind(source=self.source, epoch=self.epoch, seq=self._seq, sent_at=time.time(), **fields)
-            headers = {"Nats-Msg-Id": f"{self.source}:{self.epoch}:{self._seq}"}  # server-side dedupe
-            try:
-                ack = await self.bus.js.publish(
-                    self.subject, encode(event), timeout=self.timeout_s, headers=headers
-                )
-            except (nats.errors.TimeoutError, TimeoutError) as exc:
-                raise DeadlineExceededError(f"KV event not acknowledged on {self.subject}") from exc
-            except (nats.errors.Error, nats.js.errors.Error) as exc:
-                raise ServiceUnavailableError(f"cannot publish KV event on {self.subject}: {exc!r}") from exc
-            return int(ack.seq)
-
-
-# ------------------------------------------------------------------------------------------- index
-
-
-@dataclass(slots=True, frozen=True)
-class MatchResult:
-    num_hit_blocks: int  # consecutive from the start, present in any location (only `store` for now)
-    per_tier: dict[str, int] = field(default_factory=dict)
-    per_location: dict[str, int] = field(default_factory=dict)
-
-
-class IndexClient:
-    """The router's and engines' view of the metadata index."""
-
-    def __init__(self, bus: Bus) -> None:
-        self.bus = bus
-
-    async def match(self, block_hashes: Sequence[int], *, timeout_s: float | None = None) -> MatchResult:
-        """Longest prefix present per tier. Index down: ServiceUnavailableError / DeadlineExceededError."""
-        if not block_hashes:
-            return MatchResult(0)
-        reply = await self.bus.request(
-            self.bus.subjects.index_match,
-            IndexMatchRequest(block_hashes=[int(h) for h in block_hashes]),
-            IndexMatchReply,
-            timeout_s=timeout_s,
-        )
-        return MatchResult(reply.num_hit_blocks, reply.per_tier, reply.per_location)
-
-    async def stats(self, *, timeout_s: float | None = None) -> IndexStats:
-        return await self.bus.request(
-            self.bus.subjects.index_stats, IndexStatsRequest(), IndexStats, timeout_s=timeout_s
-        )
-
-    async def wait_applied(self, stream_seq: int, *, timeout_s: float) -> IndexStats:
-        """Wait until the index has applied the KV event at `stream_seq` (e.g. a write's event)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        delay_s = 0.005
-        while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise DeadlineExceededError(
-                    f"index did not apply stream seq {stream_seq} within {timeout_s}s"
-                )
-            with contextlib.suppress(ServiceUnavailableError, DeadlineExceededError):
-                stats = await self.stats(timeout_s=min(remaining, _CONTROL_TIMEOUT_S))
-                if stats.applied_stream_seq >= stream_seq:
-                    return stats
-            await asyncio.sleep(min(delay_s, max(0.0, deadline - loop.time())))
-            delay_s = min(delay_s * 2, 0.1)
-
-
-# ----------------------------------------------------------------------------------------- storage
 
 
 @dataclass(slots=True, eq=False)

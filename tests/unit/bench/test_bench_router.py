@@ -1,5 +1,5 @@
-"""`kvpath bench serve` / `kvpath bench router`: the load driver's wire format, the client's accounting, and
-both commands against real processes (nats-server, `kvpath serve router`, load-driver engines)."""
+"""`kvpath bench router` (and `kvpath bench serve` through it): the load driver's wire format, CPU sampling,
+and both commands against real processes (nats-server, `kvpath serve router`, load-driver engines)."""
 
 from __future__ import annotations
 
@@ -13,20 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
-import numpy as np
 import pytest
 
-from services.router.bench_client import (
-    RequestRecord,
-    ServeBenchConfig,
-    apply_event,
-    itl_samples,
-    parse_events,
-    run_serve_bench,
-    summarize,
-)
-from services.router.bench_engine import DriverStream, StepEncoder
-from services.router.bench_stack import BenchStack, CpuSampler, RouterBenchOptions
+from loadgen.bench.load_driver import DriverStream, StepEncoder
+from loadgen.bench.serve import ServeBenchConfig, run_serve_bench
+from loadgen.bench.stack import BenchStack, CpuSampler, RouterBenchOptions
 from shared.protocol import TokenBatch, decode
 
 # ------------------------------------------------------------------------------------------ pure parts
@@ -50,46 +41,6 @@ def test_step_encoder_emits_valid_token_batches_per_router() -> None:
     last = decode(second["router-1"], TokenBatch).deltas[0]
     assert (last.seq, last.token_ids, last.finish_reason, last.prompt_tokens) == (1, [98], "length", 0)
     assert decode(second["router-2"], TokenBatch).deltas[0].finish_reason is None
-
-
-def test_parse_events_keeps_a_partial_event_for_the_next_read() -> None:
-    buf = bytearray(b'data: {"a": 1}\n\ndata: {"b"')
-    assert parse_events(buf) == [b'{"a": 1}']
-    buf += b": 2}\n\ndata: [DONE]\n\n"
-    assert parse_events(buf) == [b'{"b": 2}', b"[DONE]"]
-    assert buf == bytearray()
-
-
-def test_coalesced_chunks_count_every_token_and_split_the_gap() -> None:
-    rec = RequestRecord(started_s=0.0)
-    chunk = b'{"choices": [{"index": 0, "text": "%s", "token_ids": %s}]}'
-    assert not apply_event(rec, chunk % (b"a", b"[1]"), 0.5, exact=True)
-    assert not apply_event(rec, chunk % (b"bcd", b"[2, 3, 4]"), 0.8, exact=True)
-    assert not apply_event(rec, chunk % (b"", b"[]"), 0.85, exact=True)  # no tokens: not a chunk
-    assert not apply_event(rec, b'{"choices": [], "usage": {"completion_tokens": 4}}', 0.9, exact=True)
-    assert apply_event(rec, b"[DONE]", 0.9, exact=True)
-    rec.finished_s = 1.0
-    assert rec.chunk_tokens == [1, 3] and rec.num_tokens == 4
-    np.testing.assert_allclose(itl_samples(rec), [0.1, 0.1, 0.1])  # 0.3 s over 3 tokens
-    out = summarize([rec, RequestRecord(started_s=0.0, error="HTTP 500")], duration_s=2.0)
-    assert (out["num_ok"], out["num_failed"], out["first_error"]) == (1, 1, "HTTP 500")
-    assert out["output_tokens_per_s"] == 2.0 and out["tokens_per_chunk"] == 2.0
-    assert out["ttft_ms"]["p50"] == pytest.approx(500.0) and out["e2e_s"]["p50"] == 1.0
-
-
-def test_openai_only_counts_text_chunks_and_takes_totals_from_usage() -> None:
-    rec = RequestRecord(started_s=0.0)
-    apply_event(rec, b'{"choices": [{"index": 0, "text": "xy"}]}', 0.1, exact=False)
-    apply_event(rec, b'{"choices": [{"index": 0, "text": ""}]}', 0.2, exact=False)
-    assert rec.chunk_tokens == [1] and rec.num_tokens == 1
-    apply_event(rec, b'{"choices": [], "usage": {"completion_tokens": 2}}', 0.3, exact=False)
-    assert rec.num_tokens == 2
-
-
-def test_error_event_is_recorded() -> None:
-    rec = RequestRecord(started_s=0.0)
-    apply_event(rec, b'{"error": {"message": "engine died", "code": "engine_failed"}}', 0.1, exact=True)
-    assert rec.error == "engine died"
 
 
 def test_cpu_sampler_attributes_cpu_seconds_to_the_window() -> None:

@@ -1,4 +1,4 @@
-"""`kvpath bench tracing` / `python -m services.bench_tracing`: serving throughput, tracing on vs off.
+"""`kvpath bench tracing` / `python -m loadgen.bench.tracing`: serving throughput, tracing on vs off.
 
 Two local clusters (`kvpath up`, every service its own process) run side by side: one with tracing off, one
 with `OTEL_EXPORTER_OTLP_ENDPOINT` pointing at an OTLP/HTTP sink this process serves (it decodes every export
@@ -31,13 +31,13 @@ import orjson
 import psutil
 from aiohttp import web
 
-from services.up_process import UpProcess
+from services.up.process import UpProcess
 
 TARGET_LOSS = 0.05
 MODES = ("off", "on")
 
 
-def register_bench(subparsers: Any) -> None:
+def register(subparsers: Any) -> None:
     p = subparsers.add_parser("tracing", help="serving throughput with tracing on vs off (kvpath up x2)")
     add_args(p)
     p.set_defaults(func=run)

@@ -27,6 +27,13 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadgen.balance import storage_balance
+from loadgen.config import ReplayConfig
+from loadgen.formats import kvpath, load_trace
+from loadgen.profiles import PROFILES, SynthOptions, synthesize
+from loadgen.runner import run_replay
+from services.up.process import UpProcess
+
 RUNS: dict[str, tuple[str, int, int]] = {  # name -> (policy, prefill nodes, decode nodes)
     "basic-1p1d": ("basic", 1, 1),
     "dualpath-1p1d": ("dualpath", 1, 1),
@@ -38,7 +45,7 @@ STAGES = ("schedule", "allocate", "read", "queue", "prefill")
 SAMPLE_PERIOD_S = 0.25
 
 
-def register_bench(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "dualpath", help="DualPath vs Basic vs round robin when storage is the bottleneck"
     )
@@ -104,9 +111,6 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _synthesize(args: argparse.Namespace, path: Path) -> Path:
-    from loadgen.formats import kvpath
-    from loadgen.profiles import PROFILES, SynthOptions, synthesize
-
     trace = synthesize(
         PROFILES["dualpath-32k"],
         SynthOptions(
@@ -123,11 +127,6 @@ def _synthesize(args: argparse.Namespace, path: Path) -> Path:
 
 
 async def _run(name: str, args: argparse.Namespace, trace_path: Path, work: Path) -> RunResult:
-    from loadgen.config import ReplayConfig
-    from loadgen.formats import load_trace
-    from loadgen.runner import run_replay
-    from services.up_process import UpProcess
-
     policy, p, d = RUNS[name]
     await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
     up = await asyncio.to_thread(
@@ -219,8 +218,6 @@ def _result(
     window_s: float,
     nodes: list[int],
 ) -> RunResult:
-    from loadgen.balance import storage_balance
-
     summary = result["summary"]
     requests = summary["requests"]
     t0 = min((t for t, _, _ in samples), default=0.0)

@@ -1,11 +1,11 @@
-"""The live side of DualPath's global scheduler: a FIFO of requests waiting for a (PE, DE, read side).
+"""Disaggregated dispatch (DualPath): a FIFO of requests waiting for a (PE, DE, read side), then the tasks.
 
 Every arrival and every load report triggers a placement round: the engines' and nodes' snapshots are built
 from the latest load reports plus what the router sent since (`EngineTable`), the round function the
 simulator also runs (`services/policy/round.py`) decides, and each placed request's waiter wakes up with its
-`Placement`.
-Requests the policy cannot place yet (every PE above beta, no DE with room) wait here: that is the
-"schedule" part of the TTFT breakdown.
+`Placement`. Requests the policy cannot place yet (every PE above beta, no DE with room) wait here: that is
+the "schedule" part of the TTFT breakdown. A placed request goes to its DE first (which reserves the buffer
+the PE writes into), then to its PE.
 """
 
 from __future__ import annotations
@@ -21,18 +21,27 @@ from services.policy.round import RoundState, place_round
 from services.policy.snapshot import ROLE_PREFILL, PendingRequest, Placement
 from services.policy.thresholds import Thresholds, thresholds_from_rates
 from services.router import metrics
-from services.router.engines import EngineTable
-from services.router.prompts import PreparedPrompt
+from services.router.dispatch import Dispatch
+from services.router.engines import ROLE_STORAGE, EngineTable
 from services.router.streams import StreamTable
 from shared import telemetry
 from shared.bus import Bus
 from shared.errors import DeadlineExceededError, NoEngineAvailableError, error_from_code
-from shared.protocol import Message, SamplingParams, TaskAck
-from shared.protocol.disagg import DecodeAck, DecodeTask, PrefillTask
+from shared.protocol import KvPlan, Message, RequestPlan, TaskAck
+from shared.protocol.tasks import DecodeTask, PrefillTask
 
 R = TypeVar("R", bound=Message)
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerParams:
+    policy: str
+    alpha_s: float
+    beta_s: float
+    z_factor: float
+    force_read_side: str = ""  # experiments: override the policy's side when that side can read
 
 
 @dataclass(slots=True)
@@ -41,18 +50,9 @@ class _Waiting:
     future: asyncio.Future[Placement]
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulerParams:
-    policy: str
-    block_size: int
-    kv_bytes_per_token: int
-    alpha_s: float
-    beta_s: float
-    z_factor: float
-    force_read_side: str = ""  # experiments: override the policy's side when that side can read
+class PlacementQueue:
+    """The router's FIFO of requests waiting for a placement, and the rounds that place them."""
 
-
-class Dispatcher:
     def __init__(self, engines: EngineTable, params: SchedulerParams) -> None:
         self.engines = engines
         self.params = params
@@ -90,15 +90,16 @@ class Dispatcher:
     def round(self) -> int:
         """One placement round over the current snapshot; return how many requests were placed."""
         waiting = [w for w in self.queue.values() if not w.future.done()]
-        if not waiting:
+        kv_format = self.engines.kv_format
+        if not waiting or kv_format is None:
             return 0
-        engines, nodes = self.engines.cluster_snapshot(self.params.block_size)
+        engines, nodes = self.engines.cluster_snapshot(kv_format.block_size)
         result = place_round(
             self.params.policy,
             engines,
             nodes,
             [w.request for w in waiting],
-            self.thresholds(),
+            self.thresholds(kv_format.bytes_per_token),
             self.state,
             force_read_side=self.params.force_read_side,
         )
@@ -126,13 +127,14 @@ class Dispatcher:
             if storage is not None:
                 self.engines.note_assigned(storage, placement.read_tokens)
 
-    def thresholds(self) -> Thresholds:
+    def thresholds(self, kv_bytes_per_token: int) -> Thresholds:
+        """alpha / beta in tokens from the storage services' read bandwidths and the PEs' prefill rates."""
         now = time.monotonic()
         read_rates = []
-        for st in self.engines.live(now, roles=("storage",)):
+        for st in self.engines.live(now, roles=(ROLE_STORAGE,)):
             bandwidth = st.report.rates.get("read_bandwidth_bytes_per_s", 0.0)
             if bandwidth > 0:
-                read_rates.append(bandwidth / self.params.kv_bytes_per_token)
+                read_rates.append(bandwidth / kv_bytes_per_token)
         prefill_rates = [
             st.report.rates.get("prefill_tokens_per_s", 0.0)
             for st in self.engines.live(now, roles=(ROLE_PREFILL,))
@@ -146,80 +148,71 @@ class Dispatcher:
         )
 
 
-class DisaggregatedDispatch:
+class DisaggregatedDispatch(Dispatch):
     """Places a request (PE, DE, read side) and hands it to both engines: DE first (its buffer), then PE."""
 
-    def __init__(self, dispatcher: Dispatcher, bus: Bus, router_id: str, ack_timeout_s: float) -> None:
-        self.dispatcher = dispatcher
-        self.bus = bus
-        self.router_id = router_id
-        self.ack_timeout_s = ack_timeout_s
+    def __init__(
+        self, engines: EngineTable, bus: Bus, router_id: str, ack_timeout_s: float, params: SchedulerParams
+    ) -> None:
+        super().__init__(engines, bus, router_id, ack_timeout_s)
+        self.queue = PlacementQueue(engines, params)
 
-    async def dispatch(
-        self,
-        prompt: PreparedPrompt,
-        request_id: str,
-        sampling: SamplingParams,
-        deadline: float,
-        kv: dict,
-        streams: StreamTable,
-    ) -> dict[str, float]:
+    def on_load_report(self) -> None:
+        self.queue.kick()
+
+    async def run(self) -> None:
+        await self.queue.run()
+
+    async def dispatch(self, plan: RequestPlan, deadline: float, streams: StreamTable) -> dict[str, float]:
         """Return the router-side timings (schedule_s, allocate_s); raise if no engine pair takes it."""
-        params = self.dispatcher.params
-        hits = int(kv.get("num_hit_blocks", 0))
         started = time.monotonic()
-        # the placement wait is the `schedule` span; the task requests below carry the HTTP span instead
-        with telemetry.span("schedule") as span:
-            placement = await self.dispatcher.place(
-                PendingRequest(
-                    request_id=request_id,
-                    prompt_tokens=len(prompt.token_ids),
-                    hit_tokens=hits * params.block_size,
-                    hbm_need_tokens=len(prompt.token_ids) + prompt.max_tokens,
-                ),
-                deadline,
-            )
-            if span is not None:
-                span.set_attributes(_placement_attributes(params.policy, placement))
+        placement = await self._place(plan, deadline)
         placed = time.monotonic()
         metrics.TTFT_STAGE.labels("schedule").observe(placed - started)
-        streams.assign(request_id, placement.de_id)
-        streams.assign(request_id, placement.pe_id)
+        streams.assign(plan.request_id, placement.de_id)
+        streams.assign(plan.request_id, placement.pe_id)
         read_side = placement.read_side.value if placement.read_side is not None else ""
+        plan.kv = KvPlan(
+            block_hashes=plan.kv.block_hashes,
+            num_hit_blocks=plan.kv.num_hit_blocks if read_side else 0,
+            read_side=read_side,
+        )
         log.debug(
             "placed request_id=%s pe=%s de=%s read_side=%s",
-            request_id, placement.pe_id, placement.de_id, read_side or "none",
+            plan.request_id, placement.pe_id, placement.de_id, read_side or "none",
         )  # fmt: skip
-        common: dict[str, Any] = {
-            "request_id": request_id,
-            "router_id": self.router_id,
-            "prompt_token_ids": prompt.token_ids,
-            "sampling": sampling,
-            "deadline_unix_s": time.time() + (deadline - time.monotonic()),
-            "read_side": read_side,
-            "num_hit_blocks": hits if read_side else 0,
-            "session_id": prompt.request.session_id,
-        }
-        de_ack = await self._ask(
-            placement.de_id, DecodeTask(pe_id=placement.pe_id, **common), DecodeAck, deadline
-        )
+        de_ack = await self._ask(placement.de_id, DecodeTask(plan=plan, pe_id=placement.pe_id), deadline)
         if not de_ack.accepted or de_ack.buffer is None:
             raise error_from_code(de_ack.code or "overloaded", de_ack.message or "decode engine refused")
-        timings = {"schedule_s": placed - started}
-        timings["allocate_s"] = time.monotonic() - placed
-        task = PrefillTask(
-            de_buffer=de_ack.buffer, is_layerwise=params.policy != "basic", timings=timings, **common
-        )
-        pe_ack = await self._ask(placement.pe_id, task, TaskAck, deadline)
+        timings = {"schedule_s": placed - started, "allocate_s": time.monotonic() - placed}
+        is_layerwise = self.queue.params.policy != "basic"
+        task = PrefillTask(plan=plan, de_buffer=de_ack.buffer, is_layerwise=is_layerwise, timings=timings)
+        pe_ack = await self._ask(placement.pe_id, task, deadline)
         if not pe_ack.accepted:
             raise error_from_code(pe_ack.code or "overloaded", pe_ack.message or "prefill engine refused")
         timings["allocate_s"] = time.monotonic() - placed
         metrics.TTFT_STAGE.labels("allocate").observe(timings["allocate_s"])
         return timings
 
-    async def _ask(self, engine_id: str, task: Message, reply: type[R], deadline: float) -> R:
-        timeout = min(self.ack_timeout_s, max(0.01, deadline - time.monotonic()))
-        return await self.bus.request(self.bus.subjects.task(engine_id), task, reply, timeout_s=timeout)
+    async def _place(self, plan: RequestPlan, deadline: float) -> Placement:
+        """Wait for a placement; the wait is the `schedule` span (the task requests carry the HTTP span)."""
+        kv_format = self.engines.kv_format
+        block_size = kv_format.block_size if kv_format is not None else 1
+        request = PendingRequest(
+            request_id=plan.request_id,
+            prompt_tokens=plan.num_prompt_tokens,
+            hit_tokens=plan.kv.num_hit_blocks * block_size,
+            hbm_need_tokens=plan.num_prompt_tokens + plan.sampling.max_tokens,
+        )
+        with telemetry.span("schedule") as span:
+            placement = await self.queue.place(request, deadline)
+            if span is not None:
+                span.set_attributes(_placement_attributes(self.queue.params.policy, placement))
+        return placement
+
+    async def _ask(self, engine_id: str, task: Message, deadline: float) -> TaskAck:
+        subject = self.bus.subjects.task(engine_id)
+        return await self.bus.request(subject, task, TaskAck, timeout_s=self.ack_timeout(deadline))
 
 
 def _placement_attributes(policy: str, placement: Placement) -> dict[str, Any]:

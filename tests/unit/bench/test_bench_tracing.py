@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.bench_tracing import OtlpSink, add_args, format_summary, summarize
+from loadgen.bench.tracing import OtlpSink, add_args, format_summary, summarize
 from shared import telemetry
 
 

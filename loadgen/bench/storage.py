@@ -38,7 +38,7 @@ from shared.kvclient import StorageClient
 from shared.natsserver import NatsServer
 
 
-def register_bench(subparsers: Any) -> None:
+def register(subparsers: Any) -> None:
     p = subparsers.add_parser("storage", help="storage read throughput: service path vs raw file reads")
     p.add_argument("--blocks", type=int, default=512, help="Full Blocks to write and read")
     p.add_argument("--layers", type=int, default=16)

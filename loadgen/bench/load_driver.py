@@ -6,7 +6,7 @@ rate, publishes one `TokenBatch` per router per step carrying one token for ever
 coalescing a real engine does). Its per-step work is a few dict copies and one orjson dump per router, so
 what `bench router` measures is the router, the bus and HTTP streaming.
 
-Run it as `python -m services.router.bench_engine --step-hz 50 ...` (flags, `KVPATH_*` environment and YAML
+Run it as `python -m loadgen.bench.load_driver --step-hz 50 ...` (flags, `KVPATH_*` environment and YAML
 section `bench-engine` as for every service).
 """
 
@@ -24,8 +24,11 @@ import orjson
 from shared.bus import MsgContext
 from shared.config import BaseConfig, check, doc
 from shared.errors import OverloadedError, ServiceUnavailableError
-from shared.protocol import Abort, GenerateTask, LoadReport, TaskAck, TokenBatch, TokenDelta
+from shared.protocol import Abort, GenerateTask, KvFormat, LoadReport, TaskAck, TokenBatch, TokenDelta
 from shared.service import Service, serve_main
+
+# the router hashes prompts with the KV format engines announce; the driver holds no KV, any format does
+DRIVER_KV_FORMAT = KvFormat(fingerprint="kvpath-bench-load-driver", block_size=64, bytes_per_token=1)
 
 
 @dataclass(slots=True)
@@ -119,11 +122,12 @@ class LoadDriverEngine(Service):
         elif len(self.streams) >= self.config.max_running:
             err = OverloadedError(f"load driver runs {len(self.streams)} requests already")
         else:
+            plan = task.plan
             self.streams[task.request_id] = DriverStream(
                 request_id=task.request_id,
-                router_id=task.router_id,
-                num_prompt_tokens=len(task.prompt_token_ids),
-                max_tokens=task.sampling.max_tokens,
+                router_id=plan.router_id,
+                num_prompt_tokens=plan.num_prompt_tokens,
+                max_tokens=plan.sampling.max_tokens,
             )
             return TaskAck(request_id=task.request_id, accepted=True)
         return TaskAck(request_id=task.request_id, accepted=False, code=err.code, message=err.message)
@@ -167,6 +171,7 @@ class LoadDriverEngine(Service):
             free_kv_blocks=self.config.total_kv_blocks,
             total_kv_blocks=self.config.total_kv_blocks,
             is_draining=self.status != "ready",
+            kv_format=DRIVER_KV_FORMAT,
         )
 
     def health(self) -> dict[str, Any]:

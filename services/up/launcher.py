@@ -27,7 +27,7 @@ from pathlib import Path
 
 import aiohttp
 
-from services.topology import ClusterSpec, ProcessSpec, cluster_processes
+from services.up.topology import ClusterSpec, ProcessSpec, cluster_processes
 from shared.bus import Bus, Registry
 from shared.errors import KvpathError, ServiceUnavailableError
 from shared.logs import setup_logging

@@ -1,0 +1,30 @@
+"""`kvpath bench <what>`: benchmarks that print numbers, one module per command.
+
+  serve      OpenAI streaming client against any server: tokens/s, TTFT, ITL      serve.py
+  router     the router and the bus alone, engines replaced by load drivers        router.py (stack.py,
+                                                                                   load_driver.py)
+  dualpath   DualPath vs Basic vs round robin when storage is the bottleneck        dualpath.py
+  tracing    serving throughput with tracing on vs off                             tracing.py
+  storage    storage read throughput: service path vs raw file reads               storage.py
+  index      index memory per block and prefix-match latency                       index.py
+  transport  KV data plane throughput: shm, tcp, plain socket                      transport.py
+  model      model runtime tokens/s next to transformers (timing in gpu/timing.py)  model.py
+
+`register` is the `bench` entry of the `kvpath.commands` entry-point group (pyproject.toml). It imports the
+bench modules only when called, so the processes some benches start with `python -m loadgen.bench.<module>`
+(transport's receiver, router's load drivers) do not import the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    """Add `kvpath bench` and one subcommand per bench module (each module's `register(subparsers)`)."""
+    from loadgen.bench import dualpath, index, model, router, serve, storage, tracing, transport
+
+    bench = subparsers.add_parser("bench", help="benchmarks (print numbers)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for module in (model, transport, storage, index, serve, router, dualpath, tracing):
+        module.register(bench_sub)

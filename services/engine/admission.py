@@ -1,0 +1,61 @@
+"""Checks a task must pass before an engine takes it (pure): capacity, context, vocabulary, and the KV plan.
+
+The plan's block hashes are the router's; the engine checks them cheaply instead of recomputing the chain:
+their count must be the prompt's full blocks at this engine's block size, the first must hash from this
+engine's fingerprint (same model, KV dtype and block size) and the last from its parent (the chain ends on
+this prompt's tokens). A plan that fails is refused as invalid: it was hashed for another KV format.
+"""
+
+from __future__ import annotations
+
+from shared.blocks import blocks_for, max_hit_blocks
+from shared.errors import ContextLengthExceededError, InvalidRequestError
+from shared.hashing import next_block_hash
+from shared.protocol import RequestPlan
+from shared.protocol.tasks import READ_SIDES
+
+
+def check_prompt(
+    plan: RequestPlan, *, max_model_len: int, vocab_size: int, block_size: int, num_kv_blocks: int
+) -> None:
+    prompt, max_tokens = plan.prompt_token_ids, plan.sampling.max_tokens
+    n = len(prompt)
+    if n == 0 or n + max_tokens > max_model_len:
+        raise ContextLengthExceededError(
+            f"prompt of {n} tokens + max_tokens {max_tokens} exceeds the context of {max_model_len}",
+            param="max_tokens",
+        )
+    if max(prompt) >= vocab_size or min(prompt) < 0:
+        raise InvalidRequestError("prompt token id outside the vocabulary", param="prompt")
+    if blocks_for(n + 1, block_size) > num_kv_blocks:
+        raise ContextLengthExceededError(
+            f"prompt of {n} tokens does not fit this engine's KV cache", param="prompt"
+        )
+
+
+def check_kv_plan(plan: RequestPlan, *, block_size: int, seed: int) -> None:
+    """The plan's hashes and hit count fit this prompt and this engine's KV format."""
+    kv, prompt = plan.kv, plan.prompt_token_ids
+    hashes = kv.block_hashes
+    num_blocks = len(prompt) // block_size
+    if len(hashes) != num_blocks:
+        raise InvalidRequestError(
+            f"KV plan has {len(hashes)} block hashes; the prompt has {num_blocks} of {block_size} tokens",
+            param="kv.block_hashes",
+        )
+    if not 0 <= kv.num_hit_blocks <= max_hit_blocks(len(prompt), block_size):
+        raise InvalidRequestError(
+            f"KV plan hits {kv.num_hit_blocks} blocks of this prompt", param="kv.num_hit_blocks"
+        )
+    if kv.read_side not in READ_SIDES:
+        raise InvalidRequestError(f"KV plan read side {kv.read_side!r}", param="kv.read_side")
+    if not hashes:
+        return
+    if next_block_hash(seed, prompt[:block_size]) != hashes[0]:
+        raise InvalidRequestError(
+            "KV plan was hashed for another KV format (model, dtype or block size)", param="kv.block_hashes"
+        )
+    last = num_blocks - 1
+    parent = hashes[last - 1] if last else seed
+    if next_block_hash(parent, prompt[last * block_size : num_blocks * block_size]) != hashes[last]:
+        raise InvalidRequestError("KV plan block hashes do not match the prompt", param="kv.block_hashes")

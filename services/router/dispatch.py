@@ -1,0 +1,117 @@
+"""How a planned request reaches its engine(s): the router's one dispatch seam, and the colocated dispatch.
+
+`RouterCore.generate` builds a request's `RequestPlan` once and hands it to the `Dispatch` of the configured
+policy: `ColocatedDispatch` (one engine prefills and decodes) or `DisaggregatedDispatch`
+(`disaggregated.py`: a prefill and a decode engine and a read side per request). A dispatch chooses with the
+pure policies of `services/policy`, sends the tasks, registers the serving engines with the request's token
+stream (their failure then fails it) and returns the router-side stage timings.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+
+from services.policy.placement import pick_least_loaded
+from services.policy.snapshot import ROLE_COLOCATED
+from services.router.engines import EngineTable
+from services.router.streams import StreamTable
+from shared import telemetry
+from shared.bus import Bus
+from shared.errors import (
+    DeadlineExceededError,
+    KvpathError,
+    NoEngineAvailableError,
+    OverloadedError,
+    ServiceUnavailableError,
+    error_from_code,
+)
+from shared.protocol import Abort, GenerateTask, RequestPlan, TaskAck
+
+log = logging.getLogger(__name__)
+
+MAX_DISPATCH_ATTEMPTS = 3
+_COLOCATED = {"policy": "colocated"}
+
+
+class Dispatch(abc.ABC):
+    """The seam between the router core and the engines. `dispatch` is called once per request, after its
+    plan is built and its stream opened; it may wait (a queue for engines) but never past `deadline`."""
+
+    def __init__(self, engines: EngineTable, bus: Bus, router_id: str, ack_timeout_s: float) -> None:
+        self.engines = engines
+        self.bus = bus
+        self.router_id = router_id
+        self.ack_timeout_s = ack_timeout_s
+
+    @abc.abstractmethod
+    async def dispatch(self, plan: RequestPlan, deadline: float, streams: StreamTable) -> dict[str, float]:
+        """Send the request to its engine(s) and assign them to its stream; return the router's stage
+        timings (seconds by stage). Raise a `KvpathError` when no engine takes it."""
+
+    def on_load_report(self) -> None:  # noqa: B027 (a hook: most dispatches need nothing)
+        """Loads changed (a report arrived): queued requests may fit now."""
+
+    async def run(self) -> None:  # noqa: B027
+        """Background work, run by the router service for its lifetime (none by default)."""
+
+    def ack_timeout(self, deadline: float) -> float:
+        return min(self.ack_timeout_s, max(0.01, deadline - time.monotonic()))
+
+
+async def publish_abort(bus: Bus, request_id: str, reason: str) -> None:
+    """Tell every engine to drop the request; a bus that is down is only logged (deadlines free it too)."""
+    try:
+        await bus.publish(bus.subjects.abort, Abort(request_id=request_id, reason=reason))
+    except Exception as exc:
+        log.warning("abort publish failed request_id=%s: %r", request_id, exc)
+
+
+class ColocatedDispatch(Dispatch):
+    """The least-loaded colocated engine that accepts the task; a refusal for load (or a lost ack) tries
+    the next one, up to MAX_DISPATCH_ATTEMPTS engines; a refusal of the request itself fails it."""
+
+    async def dispatch(self, plan: RequestPlan, deadline: float, streams: StreamTable) -> dict[str, float]:
+        # the `schedule` stage as a span, not made current: engine spans stay its siblings
+        span = telemetry.start_span("schedule", attributes=_COLOCATED)  # None while tracing is off
+        try:
+            engine_id = await self._choose_and_send(GenerateTask(plan=plan), deadline)
+        except BaseException as exc:
+            telemetry.end_span(span, error=f"{type(exc).__name__}: {exc}")
+            raise
+        if span is not None:
+            telemetry.end_span(span, attributes={"engine_id": engine_id})
+        log.debug("dispatched request_id=%s engine=%s", plan.request_id, engine_id)
+        streams.assign(plan.request_id, engine_id)
+        return {}
+
+    async def _choose_and_send(self, task: GenerateTask, deadline: float) -> str:
+        tried: set[str] = set()
+        refusal: KvpathError | None = None
+        block_size = self.engines.kv_format.block_size if self.engines.kv_format else 1
+        for _ in range(MAX_DISPATCH_ATTEMPTS):
+            engines = self.engines.engine_snapshots(block_size, (ROLE_COLOCATED,))
+            engine_id = pick_least_loaded([e for e in engines if e.engine_id not in tried])
+            if engine_id is None:
+                break
+            tried.add(engine_id)
+            subject = self.bus.subjects.task(engine_id)
+            try:
+                ack = await self.bus.request(subject, task, TaskAck, timeout_s=self.ack_timeout(deadline))
+            except (ServiceUnavailableError, DeadlineExceededError) as exc:
+                log.warning("task not acked request_id=%s engine=%s: %s", task.request_id, engine_id, exc)
+                await publish_abort(self.bus, task.request_id, "dispatch failed")
+                refusal = exc
+                continue
+            if ack.accepted:
+                self.engines.note_assigned(engine_id, task.plan.num_prompt_tokens)
+                return engine_id
+            refusal = error_from_code(ack.code or "overloaded", ack.message or "engine refused the task")
+            if not isinstance(refusal, OverloadedError | ServiceUnavailableError):
+                raise refusal  # the request itself is bad: another engine would refuse it too
+        if isinstance(refusal, OverloadedError):
+            raise refusal
+        raise NoEngineAvailableError(
+            "no engine is available" + (f" (last error: {refusal.message})" if refusal else "")
+        )

@@ -1,0 +1,172 @@
+"""Router -> engine tasks and the engine <-> engine records of disaggregated serving.
+
+Every task carries one `RequestPlan`, built once by the router: the prompt's token ids, the chained hashes of
+its full blocks (computed once, by the router, with the KV format the engines announced), how many leading
+blocks are stored and on which side they are read, the sampling parameters and the deadline. Engines take
+the plan as it is (verifying the hashes' ends, not recomputing the chain); the three task kinds add only
+what their role needs.
+
+Flow of one disaggregated request (DualPath brief §3.3-3.5):
+  1. router -> DE `DecodeTask` (task.<de>): the DE reserves its buffer for the whole prompt's KV (Full Block
+     layout) and, when the read side is the DE, starts reading the stored prefix into its node buffer. Its
+     `TaskAck` names the buffer (`BufferRef`) the PE must write into.
+  2. router -> PE `PrefillTask` (task.<pe>), carrying that buffer. Read side PE: the PE reads the prefix from
+     its own node's storage. Read side DE: the PE reserves a receive area and asks the DE with `PullHits`
+     (transfer.<de>); the DE answers once its read is done and streams Layer Blocks into it (a failed stream
+     ends with a `HitStreamFailed` notice).
+  3. The PE prefills layer by layer, streaming each layer's KV to the DE buffer (hit + miss on the PE path,
+     miss only on the DE path), samples the first token, publishes it (a `TokenDelta` with `handoff`), and
+     posts `PrefillDone` to the DE as the DONE notice of the buffer.
+  4. The DE loads the prompt KV into its cache, frees its buffer, decodes, persists filled blocks.
+Notices travel on the KV data plane (`shared.transport`), not on NATS: their metadata is an encoded record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Any
+
+from shared.protocol.codec import Message, message
+from shared.protocol.messages import SamplingParams
+
+READ_SIDES = ("", "pe", "de")
+
+
+@message
+class KvPlan(Message):
+    """A prompt's blocks as the router sees them.
+
+    `block_hashes`: one chained hash per full block of the prompt (`len(prompt) // block_size` of them),
+    salted with the fingerprint the engines announced. `num_hit_blocks`: the leading blocks to load instead
+    of computing (stored, and never more than `shared.blocks.max_hit_blocks`). `read_side`: disaggregated
+    serving only, whose node reads them ("pe" | "de"; "" reads nothing).
+    """
+
+    KIND = "kv_plan"
+    block_hashes: list[int] = field(default_factory=list)
+    num_hit_blocks: int = 0
+    read_side: str = ""
+
+
+@message
+class RequestPlan(Message):
+    """Everything an engine needs of one request, in every task kind."""
+
+    KIND = "request_plan"
+    request_id: str
+    router_id: str  # token deltas go to tokens.<router_id>
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    deadline_unix_s: float
+    session_id: str = ""
+    kv: KvPlan = field(default_factory=KvPlan)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class Task(Message):
+    """Base of the three task kinds (`task.<engine>`, request/ack): the plan and the router's stage timings
+    so far (seconds by stage; they travel on to the first token delta)."""
+
+    VERSION = 2
+    plan: RequestPlan
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def request_id(self) -> str:
+        return self.plan.request_id
+
+
+@message
+class GenerateTask(Task):
+    """Colocated engine: prefill and decode the request, loading its stored prefix from the own node."""
+
+    KIND = "generate_task"
+
+
+@message
+class BufferRef(Message):
+    """Where a peer must write: an extent of a registered transport region, and its notice tag base."""
+
+    KIND = "buffer_ref"
+    engine_id: str
+    endpoint: dict[str, Any]  # the receiver's KvEndpoint (shared.transport)
+    region: str
+    offset: int
+    slot: int  # notices for this extent use tags slot * TAGS_PER_SLOT + layer (services/engine/receive_area)
+    num_blocks: int
+
+
+@message
+class DecodeTask(Task):
+    """Decode engine: reserve the buffer the PE writes the prompt's KV into, then decode."""
+
+    KIND = "decode_task"
+    pe_id: str
+
+
+@message
+class PrefillTask(Task):
+    """Prefill engine: prefill layer by layer into the DE's buffer, sample the first token, hand off."""
+
+    KIND = "prefill_task"
+    de_buffer: BufferRef
+    is_layerwise: bool = True  # False: the Basic baseline (whole prefix loaded before compute)
+
+
+@message
+class TaskAck(Message):
+    """An engine's answer to a task. Refused: `code`/`message` say why (a `shared.errors` code). A decode
+    engine that accepts names its buffer."""
+
+    KIND = "task_ack"
+    VERSION = 2
+    request_id: str
+    accepted: bool
+    code: str = ""
+    message: str = ""
+    buffer: BufferRef | None = None
+
+
+@message
+class PullHits(Message):
+    """PE -> DE (transfer.<de>): stream the stored prefix you read into my receive area."""
+
+    KIND = "pull_hits"
+    request_id: str
+    pe_buffer: BufferRef
+
+
+@message
+class PullHitsReply(Message):
+    KIND = "pull_hits_reply"
+    request_id: str
+    num_blocks: int  # leading prefix blocks the DE read (and will stream); may be < asked
+    read_s: float = 0.0
+
+
+@message
+class PrefillDone(Message):
+    """PE -> DE, the DONE notice of the DE buffer: the prompt's KV is complete (or never will be).
+
+    `first_token` None means the prefill failed (`error` says why). `finish_reason` set: the first token
+    ended the request on the PE, the DE only frees its buffer. `num_loaded_blocks`: leading blocks loaded from
+    storage on the PE path (already stored, so the DE does not persist them again)."""
+
+    KIND = "prefill_done"
+    first_token: int | None = None
+    finish_reason: str = ""
+    num_loaded_blocks: int = 0
+    error: str = ""
+
+
+@message
+class HitStreamFailed(Message):
+    """DE -> PE, the notice of every layer the DE could not stream (the PE recomputes nothing: it fails)."""
+
+    KIND = "hit_stream_failed"
+    error: str

@@ -1,0 +1,56 @@
+"""The router's engine table: the KV format is adopted from the engines, and an engine that disagrees is
+refused (it never reaches a snapshot, so no request goes to it)."""
+
+from __future__ import annotations
+
+import time
+
+from services.router.engines import EngineTable
+from shared.protocol import KvFormat, LoadReport
+
+F32 = KvFormat(fingerprint="tiny;dtype=float32;block_size=64", block_size=64, bytes_per_token=4096)
+BF16 = KvFormat(fingerprint="tiny;dtype=bfloat16;block_size=64", block_size=64, bytes_per_token=2048)
+
+
+def report(
+    service_id: str, kv_format: KvFormat | None, *, role: str = "colocated", seq: int = 1
+) -> LoadReport:
+    return LoadReport(
+        service_id=service_id, role=role, node=0, seq=seq, sent_at=0.0, free_kv_blocks=10, kv_format=kv_format
+    )
+
+
+def ids(table: EngineTable) -> set[str]:
+    return {e.engine_id for e in table.engine_snapshots(64)}
+
+
+def test_the_first_format_is_adopted_and_a_different_one_refused() -> None:
+    table = EngineTable(silence_timeout_s=3.0)
+    assert table.kv_format is None
+    now = time.monotonic()
+    table.update(report("a", BF16), now=now)
+    table.update(report("b", F32), now=now)
+    table.update(report("c", BF16), now=now)
+    assert table.kv_format == BF16
+    assert ids(table) == {"a", "c"}
+    assert "dtype=float32" in table.refused["b"] and "dtype=bfloat16" in table.refused["b"]
+    table.update(report("d", None), now=now)
+    assert "no KV format" in table.refused["d"] and "d" not in ids(table)
+
+
+def test_storage_services_need_no_format() -> None:
+    table = EngineTable(silence_timeout_s=3.0)
+    table.update(report("s", None, role="storage"), now=0.0)
+    assert table.storage_of(0) == "s" and not table.refused
+
+
+def test_a_new_format_is_adopted_once_no_live_engine_holds_the_old_one() -> None:
+    table = EngineTable(silence_timeout_s=3.0)
+    now = time.monotonic()
+    table.update(report("a", F32), now=now - 10)
+    table.update(report("b", BF16), now=now - 9)
+    assert table.kv_format == F32 and "b" in table.refused
+    table.update(report("b", BF16, seq=2), now=now)  # "a" has been silent for 10 s: it is gone
+    assert table.kv_format == BF16 and "b" not in table.refused
+    table.update(report("a", F32, seq=5), now=now)  # "a" comes back with the old format: refused now
+    assert "a" in table.refused and ids(table) == {"b"}
