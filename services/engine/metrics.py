@@ -48,3 +48,13 @@ PREFILL_PREDICTED = Histogram(
     "Predicted attention-layer time of each prefill batch (compute quota)",
     buckets=_STEP_BUCKETS,
 )
+POOL_BLOCKS = Counter(
+    "kvpath_engine_kv_pool_blocks_total",
+    "KV pool tier blocks by outcome: hit, miss, corrupt, error (reads), written, write_error",
+    ["outcome"],
+)
+POOL_WRITE_SECONDS = Histogram(
+    "kvpath_engine_kv_pool_write_seconds",
+    "Time to allocate pool slots and copy a step's finished blocks into them",
+    buckets=_STEP_BUCKETS,
+)

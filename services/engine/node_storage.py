@@ -59,13 +59,18 @@ class NodeStorage:
     async def read_prefix(self, seq: Sequence, num_blocks: int) -> ReadLease | None:
         """Lease the sequence's first `num_blocks` stored blocks in the node buffer (the leading ones that
         read cleanly, maybe fewer); None when none could be read."""
+        return await self.read_blocks(seq, 0, num_blocks)
+
+    async def read_blocks(self, seq: Sequence, first: int, end: int) -> ReadLease | None:
+        """Lease the sequence's stored blocks [first, end) (a prefix of them that reads cleanly, maybe
+        shorter); None when none could be read."""
+        num_blocks = end - first
         if num_blocks <= 0:
             return None
         remaining_s = max(0.01, seq.deadline_unix_s - time.time())
+        hashes = seq.block_hashes[first:end]
         try:
-            lease = await self.client.read(
-                seq.request_id, seq.block_hashes[:num_blocks], deadline_s=remaining_s
-            )
+            lease = await self.client.read(seq.request_id, hashes, deadline_s=remaining_s)
         except KvpathError as exc:
             metrics.KV_LOAD_MISSES.labels(exc.code).inc(num_blocks)
             log.warning("prefix read failed request_id=%s code=%s: %s", seq.request_id, exc.code, exc.message)

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from functools import partial
 
 from services.policy.snapshot import (
-    ROLE_COLOCATED,
     ROLE_DECODE,
     ROLE_PREFILL,
     ClusterSnapshot,
@@ -45,7 +44,6 @@ from services.policy.snapshot import (
 from services.policy.thresholds import Thresholds
 from shared.errors import ConfigError
 
-COLOCATED = "colocated"
 POLICIES = ("dualpath", "basic", "dualpath-rr")  # disaggregated: a PE, a DE and a read side per request
 
 
@@ -78,18 +76,6 @@ class _Loads:
 
 def _active(snapshot: ClusterSnapshot, role: str) -> list[EngineSnapshot]:
     return [e for e in snapshot.with_role(role) if not e.is_draining]
-
-
-# ------------------------------------------------------------------------------------------ colocated
-
-
-def pick_least_loaded(engines: Sequence[EngineSnapshot], *, role: str = ROLE_COLOCATED) -> str | None:
-    """The `colocated` policy: fewest unfinished tokens, then fewest requests, then id (deterministic);
-    None when no engine of `role` takes work (none live, or all draining)."""
-    candidates = [e for e in engines if e.role == role and not e.is_draining]
-    if not candidates:
-        return None
-    return min(candidates, key=lambda e: (e.unfinished_tokens, e.num_unfinished, e.engine_id)).engine_id
 
 
 # ------------------------------------------------------------------------------------------ PE (5.2)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.policy.colocated import COLOCATED_POLICIES
+from services.policy.placement import POLICIES
 from shared.config import BaseConfig, check, doc
 
 
@@ -13,7 +15,9 @@ class RouterConfig(BaseConfig):
     model: str = doc("tiny", "model name or HF checkpoint directory (tokenizer, chat template, context)")
     served_model_name: str = doc("", "model name clients send; defaults to the model's name")
     model_cache_dir: str = doc("", "where embedded models are materialized (default ~/.cache/kvpath/models)")
-    policy: str = doc("colocated", "scheduling policy: colocated | dualpath | basic | dualpath-rr")
+    policy: str = doc(
+        "colocated", "scheduling policy: colocated | beluga | cache-aware | dualpath | basic | dualpath-rr"
+    )
     max_tokens_limit: int = doc(8192, "largest max_tokens a request may ask for")
     request_deadline_s: float = doc(600.0, "every request fails with 504 after this long")
     task_ack_timeout_s: float = doc(5.0, "how long an engine may take to accept a task")
@@ -31,12 +35,8 @@ class RouterConfig(BaseConfig):
 
     def validate(self) -> None:
         BaseConfig.validate(self)
-        check(
-            self.policy in ("colocated", "dualpath", "basic", "dualpath-rr"),
-            "policy",
-            self.policy,
-            "one of colocated, dualpath, basic, dualpath-rr",
-        )
+        policies = (*COLOCATED_POLICIES, *POLICIES)
+        check(self.policy in policies, "policy", self.policy, f"one of {', '.join(policies)}")
         check(self.max_tokens_limit >= 1, "max_tokens_limit", self.max_tokens_limit, "must be >= 1")
         check(self.request_deadline_s > 0, "request_deadline_s", self.request_deadline_s, "must be > 0")
         check(

@@ -10,10 +10,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
-from services.policy.placement import COLOCATED
+from services.policy.colocated import COLOCATED_POLICIES
 from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.disaggregated import DisaggregatedDispatch, SchedulerParams
@@ -125,10 +125,10 @@ class RouterCore:
         stream: RequestStream | None = None
         is_finished = False
         try:
-            plan = await self._plan(prompt, request_id, deadline)
+            plan, locality = await self._plan(prompt, request_id, deadline)
             # open before dispatch: the first tokens may arrive before the ack
             stream = self.streams.open(request_id)
-            usage.timings.update(await self.dispatch.dispatch(plan, deadline, self.streams))
+            usage.timings.update(await self.dispatch.dispatch(plan, deadline, self.streams, locality))
             metrics.QUEUED.dec()
             metrics.RUNNING.inc()
             # one timer per request, not one per wait: at the deadline the stream gets the deadline error
@@ -156,8 +156,10 @@ class RouterCore:
             if not is_finished:
                 await publish_abort(self.bus, request_id, "client gone or request failed")
 
-    async def _plan(self, prompt: PreparedPrompt, request_id: str, deadline: float) -> RequestPlan:
-        """The request's plan, built once: every task kind carries it as it is."""
+    async def _plan(
+        self, prompt: PreparedPrompt, request_id: str, deadline: float
+    ) -> tuple[RequestPlan, Mapping[str, int]]:
+        """The request's plan, built once (every task kind carries it as it is), and where its prefix lies."""
         kv_format = self.engines.kv_format
         if kv_format is None:
             raise NoEngineAvailableError("no engine has reported yet")
@@ -171,15 +173,17 @@ class RouterCore:
             min_tokens=min(req.min_tokens, prompt.max_tokens),
             stop_token_ids=req.stop_token_ids,
         )
-        return RequestPlan(
+        planned = await self.kv_planner.plan(prompt.token_ids, kv_format, request_id)
+        plan = RequestPlan(
             request_id=request_id,
             router_id=self.router_id,
             prompt_token_ids=prompt.token_ids,
             sampling=sampling,
             deadline_unix_s=time.time() + (deadline - time.monotonic()),
             session_id=req.session_id,
-            kv=await self.kv_planner.plan(prompt.token_ids, kv_format, request_id),
+            kv=planned.kv,
         )
+        return plan, planned.blocks_by_location
 
     async def _pieces(
         self, stream: RequestStream, prompt: PreparedPrompt, deadline: float, usage: Usage, started: float
@@ -258,8 +262,8 @@ def _observe_stages(timings: dict[str, float]) -> None:
 
 def build_dispatch(config: RouterConfig, engines: EngineTable, bus: Bus, router_id: str) -> Dispatch:
     """The dispatch of the configured policy."""
-    if config.policy == COLOCATED:
-        return ColocatedDispatch(engines, bus, router_id, config.task_ack_timeout_s)
+    if config.policy in COLOCATED_POLICIES:
+        return ColocatedDispatch(engines, bus, router_id, config.task_ack_timeout_s, policy=config.policy)
     params = SchedulerParams(
         policy=config.policy,
         alpha_s=config.alpha_s,

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -163,7 +164,9 @@ class DisaggregatedDispatch(Dispatch):
     async def run(self) -> None:
         await self.queue.run()
 
-    async def dispatch(self, plan: RequestPlan, deadline: float, streams: StreamTable) -> dict[str, float]:
+    async def dispatch(
+        self, plan: RequestPlan, deadline: float, streams: StreamTable, locality: Mapping[str, int]
+    ) -> dict[str, float]:
         """Return the router-side timings (schedule_s, allocate_s); raise if no engine pair takes it."""
         started = time.monotonic()
         placement = await self._place(plan, deadline)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import abc
 import logging
 import time
+from collections.abc import Mapping
 
-from services.policy.placement import pick_least_loaded
-from services.policy.snapshot import ROLE_COLOCATED
+from services.policy.colocated import CACHE_AWARE, COLOCATED, pick_cache_aware, pick_least_loaded
+from services.policy.snapshot import ROLE_COLOCATED, EngineSnapshot
 from services.router.engines import EngineTable
 from services.router.streams import StreamTable
 from shared import telemetry
@@ -32,7 +33,12 @@ from shared.protocol import Abort, GenerateTask, RequestPlan, TaskAck
 log = logging.getLogger(__name__)
 
 MAX_DISPATCH_ATTEMPTS = 3
-_COLOCATED = {"policy": "colocated"}
+ENGINE_LOCAL_TIERS = ("hbm", "dram")  # KV locations that belong to one engine (`<tier>:<engine id>`)
+
+
+def local_blocks(locality: Mapping[str, int], engine_id: str) -> int:
+    """Leading prompt blocks engine `engine_id` holds in its own tiers."""
+    return max((locality.get(f"{tier}:{engine_id}", 0) for tier in ENGINE_LOCAL_TIERS), default=0)
 
 
 class Dispatch(abc.ABC):
@@ -46,9 +52,12 @@ class Dispatch(abc.ABC):
         self.ack_timeout_s = ack_timeout_s
 
     @abc.abstractmethod
-    async def dispatch(self, plan: RequestPlan, deadline: float, streams: StreamTable) -> dict[str, float]:
+    async def dispatch(
+        self, plan: RequestPlan, deadline: float, streams: StreamTable, locality: Mapping[str, int]
+    ) -> dict[str, float]:
         """Send the request to its engine(s) and assign them to its stream; return the router's stage
-        timings (seconds by stage). Raise a `KvpathError` when no engine takes it."""
+        timings (seconds by stage). `locality`: leading prompt blocks each KV location holds (the index's
+        per-location answer; empty without an index). Raise a `KvpathError` when no engine takes it."""
 
     def on_load_report(self) -> None:  # noqa: B027 (a hook: most dispatches need nothing)
         """Loads changed (a report arrived): queued requests may fit now."""
@@ -69,14 +78,25 @@ async def publish_abort(bus: Bus, request_id: str, reason: str) -> None:
 
 
 class ColocatedDispatch(Dispatch):
-    """The least-loaded colocated engine that accepts the task; a refusal for load (or a lost ack) tries
-    the next one, up to MAX_DISPATCH_ATTEMPTS engines; a refusal of the request itself fails it."""
+    """One colocated engine per request, chosen by the policy (`services/policy/colocated.py`): least loaded
+    (`colocated`, `beluga`: cache-oblivious), or cache-aware (the engine-local prefix traded against load).
+    A refusal for load (or a lost ack) tries the next choice, up to MAX_DISPATCH_ATTEMPTS engines; a refusal
+    of the request itself fails it."""
 
-    async def dispatch(self, plan: RequestPlan, deadline: float, streams: StreamTable) -> dict[str, float]:
+    def __init__(
+        self, engines: EngineTable, bus: Bus, router_id: str, ack_timeout_s: float, *, policy: str = COLOCATED
+    ) -> None:
+        super().__init__(engines, bus, router_id, ack_timeout_s)
+        self.policy = policy
+        self._span_attributes = {"policy": policy}
+
+    async def dispatch(
+        self, plan: RequestPlan, deadline: float, streams: StreamTable, locality: Mapping[str, int]
+    ) -> dict[str, float]:
         # the `schedule` stage as a span, not made current: engine spans stay its siblings
-        span = telemetry.start_span("schedule", attributes=_COLOCATED)  # None while tracing is off
+        span = telemetry.start_span("schedule", attributes=self._span_attributes)  # None while tracing is off
         try:
-            engine_id = await self._choose_and_send(GenerateTask(plan=plan), deadline)
+            engine_id = await self._choose_and_send(GenerateTask(plan=plan), deadline, locality)
         except BaseException as exc:
             telemetry.end_span(span, error=f"{type(exc).__name__}: {exc}")
             raise
@@ -86,13 +106,22 @@ class ColocatedDispatch(Dispatch):
         streams.assign(plan.request_id, engine_id)
         return {}
 
-    async def _choose_and_send(self, task: GenerateTask, deadline: float) -> str:
+    def _pick(
+        self, engines: list[EngineSnapshot], plan: RequestPlan, locality: Mapping[str, int]
+    ) -> str | None:
+        if self.policy != CACHE_AWARE:
+            return pick_least_loaded(engines)
+        block_size = self.engines.kv_format.block_size if self.engines.kv_format else 1
+        local = {e.engine_id: block_size * local_blocks(locality, e.engine_id) for e in engines}
+        return pick_cache_aware(engines, local, plan.num_prompt_tokens)
+
+    async def _choose_and_send(self, task: GenerateTask, deadline: float, locality: Mapping[str, int]) -> str:
         tried: set[str] = set()
         refusal: KvpathError | None = None
         block_size = self.engines.kv_format.block_size if self.engines.kv_format else 1
         for _ in range(MAX_DISPATCH_ATTEMPTS):
             engines = self.engines.engine_snapshots(block_size, (ROLE_COLOCATED,))
-            engine_id = pick_least_loaded([e for e in engines if e.engine_id not in tried])
+            engine_id = self._pick([e for e in engines if e.engine_id not in tried], task.plan, locality)
             if engine_id is None:
                 break
             tried.add(engine_id)

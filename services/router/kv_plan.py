@@ -4,6 +4,8 @@ leading blocks are stored (asked of the index)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from services.router import metrics
 from shared import telemetry
@@ -11,10 +13,20 @@ from shared.blocks import max_hit_blocks
 from shared.bus import Bus
 from shared.errors import KvpathError
 from shared.hashing import block_hashes
-from shared.kvclient import IndexClient
+from shared.kvclient import IndexClient, MatchResult
 from shared.protocol import KvFormat, KvPlan
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedKv:
+    """The KV part of a request's plan, and (router-side only) how many leading blocks of its prompt each
+    location holds: `hbm:<engine>`, `dram:<engine>`, `cxl:<pool>`, `store` (the index's per-location answer),
+    which cache-aware routing weighs."""
+
+    kv: KvPlan
+    blocks_by_location: Mapping[str, int] = field(default_factory=dict)
 
 
 class KvPlanner:
@@ -30,14 +42,16 @@ class KvPlanner:
         self.index = IndexClient(bus) if use_index else None
         self.timeout_s = timeout_s
 
-    async def plan(self, token_ids: list[int], kv_format: KvFormat, request_id: str) -> KvPlan:
+    async def plan(self, token_ids: list[int], kv_format: KvFormat, request_id: str) -> PlannedKv:
         hashes = block_hashes(token_ids, kv_format.block_size, kv_format.fingerprint)
         usable = hashes[: max_hit_blocks(len(token_ids), kv_format.block_size)]
         if self.index is None or not usable:
-            return KvPlan(block_hashes=hashes)
-        return KvPlan(block_hashes=hashes, num_hit_blocks=await self._lookup(usable, request_id))
+            return PlannedKv(KvPlan(block_hashes=hashes))
+        result = await self._lookup(usable, request_id)
+        hits = min(result.num_hit_blocks, len(usable))
+        return PlannedKv(KvPlan(block_hashes=hashes, num_hit_blocks=hits), result.per_location)
 
-    async def _lookup(self, hashes: list[int], request_id: str) -> int:
+    async def _lookup(self, hashes: list[int], request_id: str) -> MatchResult:
         assert self.index is not None
         with telemetry.span("index.lookup") as span:
             try:
@@ -47,11 +61,11 @@ class KvPlanner:
                 log.warning("index lookup failed request_id=%s: %s", request_id, exc.message)
                 if span is not None:
                     span.set_attributes({"outcome": "error", "error.code": exc.code})
-                return 0
+                return MatchResult(0)
             if span is not None:
                 span.set_attributes({"num_blocks": len(hashes), "num_hit_blocks": result.num_hit_blocks})
         metrics.INDEX_LOOKUPS.labels("hit" if result.num_hit_blocks else "miss").inc()
         log.debug(
             "index lookup request_id=%s hit_blocks=%d/%d", request_id, result.num_hit_blocks, len(hashes)
         )
-        return min(result.num_hit_blocks, len(hashes))
+        return result

@@ -209,3 +209,27 @@ class StorageCancel(Message):
 
 
 STORAGE_CONTROL_TYPES: tuple[type[Message], ...] = (StorageInfoRequest, StorageRelease, StorageCancel)
+
+
+# ----------------------------------------------------------------------------------------- KV pool
+
+
+@message
+class PoolInfo(Message):
+    """What a client needs to use a KV pool (`cxl:<pool_id>`): its KV format, its slot geometry, the
+    devices to map and the CXL-RPC segment to attach. `epoch` changes when the pool restarts (its contents
+    are then gone). `host_id` says where the emulated devices are (`shared.transport` host ids): a client on
+    another host reaches the pool's operations over NATS and maps the devices only if it can open them."""
+
+    KIND = "pool_info"
+    pool_id: str
+    epoch: int
+    fingerprint: str
+    block_size: int
+    slot_bytes: int
+    num_slots: int
+    num_devices: int
+    interleave_bytes: int
+    device_paths: list[str]
+    rpc_segment: str = ""
+    host_id: str = ""

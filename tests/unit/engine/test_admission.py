@@ -30,7 +30,7 @@ def plan(prompt: list[int], kv: KvPlan, max_tokens: int = 4) -> RequestPlan:
 
 async def test_the_routers_plan_passes_and_the_sequence_takes_its_hashes() -> None:
     prompt = list(range(10, 27))  # 17 tokens: 4 full blocks, at most 4 hit ((17 - 1) // 4)
-    kv = await KvPlanner(bus=None, use_index=False, timeout_s=1.0).plan(prompt, FORMAT, "r")
+    kv = (await KvPlanner(bus=None, use_index=False, timeout_s=1.0).plan(prompt, FORMAT, "r")).kv
     assert kv.block_hashes == block_hashes(prompt, 4, FORMAT.fingerprint) and len(kv.block_hashes) == 4
     check_kv_plan(plan(prompt, kv), block_size=4, seed=SEED)
     hit = KvPlan(block_hashes=kv.block_hashes, num_hit_blocks=4, read_side="de")

@@ -3,7 +3,8 @@ the forced read side, and the colocated least-loaded choice."""
 
 from __future__ import annotations
 
-from services.policy.placement import pick_least_loaded, place
+from services.policy.colocated import pick_cache_aware, pick_least_loaded
+from services.policy.placement import place
 from services.policy.round import MIN_WINDOW, RoundState, place_round
 from services.policy.snapshot import ROLE_COLOCATED, EngineSnapshot, ReadSide
 from tests.unit.policy.snapshots import de, limits, node, pe, req, snap
@@ -66,3 +67,17 @@ def test_colocated_picks_the_fewest_tokens_then_requests_then_id() -> None:
     assert pick_least_loaded(engines[:2]) == "a"
     assert pick_least_loaded(engines[2:3]) is None
     assert pick_least_loaded([pe("p", 0, 0)]) is None  # another role
+
+
+def test_cache_aware_trades_the_local_prefix_against_load() -> None:
+    def engine(engine_id: str, tokens: int) -> EngineSnapshot:
+        return EngineSnapshot(engine_id, ROLE_COLOCATED, 0, "g", 1, tokens, 0, False)
+
+    engines = [engine("a", 1000), engine("b", 0)]
+    # "a" holds 3000 of the 4000 prompt tokens: 1000 to bring in + 1000 queued beats b's 4000 + 0
+    assert pick_cache_aware(engines, {"a": 3000}, 4000) == "a"
+    # a hot prefix piles work on its holder until fetching elsewhere is cheaper
+    assert pick_cache_aware([engine("a", 3500), engine("b", 0)], {"a": 3000}, 4000) == "b"
+    assert pick_cache_aware(engines, {}, 4000) == "b"  # nothing local anywhere: least loaded
+    assert pick_cache_aware(engines, {"a": 10**6}, 4000) == "a"  # a hit never exceeds the prompt
+    assert pick_cache_aware([], {}, 10) is None

@@ -1,0 +1,171 @@
+"""The KV pool as a tier of an engine (Beluga): read hit blocks straight from pool memory into the paged
+cache, write finished blocks straight from the cache into pool slots.
+
+Reads: LOOKUP pins the longest prefix of the sequence's block hashes the pool holds (a read lease, so
+eviction cannot take them while they are copied); the blocks are numpy views of the mapped slots, imported
+into the cache layer by layer (one copy per run of consecutive slots: no intermediate buffer) and the lease
+ends. A block whose checksum does not match ends the prefix there (corrupt KV is a miss).
+Writes: ALLOC (synchronous over the shared-memory RPC: µs, on the event loop between steps) hands out slots
+for blocks the pool lacks; the cache exports into them directly, and COMMIT publishes them with their
+checksums in the background. Any pool failure is a miss or a skipped write, counted, never a failed
+request: storage below still has what it had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from services.engine import metrics
+from services.engine.sequence import Sequence
+from shared.blocks import BlockLayout
+from shared.cxl.pool_client import PoolClient
+from shared.cxl.pool_memory import PoolMemory
+from shared.errors import KvpathError
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 0.05  # a pool operation past this is a miss (the pool is local: µs when healthy)
+
+
+@dataclass(slots=True)
+class PoolRead:
+    """Blocks leased from the pool for one sequence: the first `num_blocks` of its chain."""
+
+    lease_id: int
+    slots: list[int]
+    runs: list[tuple[int, int, np.ndarray]]  # (first block, count, [count, L, bs, bytes] view of the slots)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.slots)
+
+
+def block_checksum(block: np.ndarray) -> int:
+    return xxhash.xxh3_64_intdigest(block.data)
+
+
+class PoolTier:
+    def __init__(
+        self, client: PoolClient, layout: BlockLayout, kv: Any, *, verify_checksums: bool, lease_ms: int
+    ) -> None:
+        assert client.memory is not None, "a pool tier needs the pool's memory mapped"
+        self.client = client
+        self.memory: PoolMemory = client.memory
+        self.layout = layout
+        self.kv = kv
+        self.verify_checksums = verify_checksums
+        self.lease_ms = lease_ms
+        self._tasks: set[asyncio.Future[Any]] = set()
+
+    # ------------------------------------------------------------------------------------------ read
+
+    async def read(self, seq: Sequence, num_blocks: int) -> PoolRead | None:
+        """Lease the longest prefix of the sequence's first `num_blocks` blocks the pool holds."""
+        if num_blocks <= 0:
+            return None
+        try:
+            reply = await self.client.lookup(
+                seq.block_hashes[:num_blocks], pin=True, lease_ms=self.lease_ms, timeout_s=CALL_TIMEOUT_S
+            )
+        except KvpathError as exc:
+            metrics.POOL_BLOCKS.labels("error").inc(num_blocks)
+            log.warning("pool lookup failed request_id=%s: %s", seq.request_id, exc.message)
+            return None
+        slots = [int(s) for s in reply.slots]
+        good = self._verified(slots, reply.checksums) if self.verify_checksums else len(slots)
+        metrics.POOL_BLOCKS.labels("hit").inc(good)
+        metrics.POOL_BLOCKS.labels("miss").inc(num_blocks - good)
+        if good < len(slots):
+            metrics.POOL_BLOCKS.labels("corrupt").inc(1)
+            log.warning("pool block %d of request_id=%s is corrupt: a miss from there", good, seq.request_id)
+        if not good:
+            self.release(reply.lease_id)
+            return None
+        return PoolRead(reply.lease_id, slots[:good], self._runs(slots[:good]))
+
+    def _verified(self, slots: list[int], checksums: np.ndarray) -> int:
+        """How many leading blocks match their committed checksums."""
+        for i, slot in enumerate(slots):
+            if block_checksum(self.memory.slot(slot)) != int(checksums[i]):
+                return i
+        return len(slots)
+
+    def _runs(self, slots: list[int]) -> list[tuple[int, int, np.ndarray]]:
+        shape = self.layout.shape
+        out = []
+        for first, count, device, row in self.memory.runs(slots):
+            flat = self.memory.devices[device][row : row + count]
+            out.append((first, count, flat.reshape(count, *shape)))
+        return out
+
+    def import_layer(self, block_ids: list[int], read: PoolRead, layer: int) -> None:
+        """Layer `layer` of the leased blocks into the cache blocks `block_ids` (one copy per run)."""
+        for first, count, blocks in read.runs:
+            self.kv.import_layer(block_ids[first : first + count], layer, blocks[:, layer])
+
+    def release(self, lease_id: int) -> None:
+        """End a read lease (in the background; an expired lease ends by itself)."""
+        if lease_id:
+            self._keep(self.client.unpin(lease_id, timeout_s=CALL_TIMEOUT_S))
+
+    # ----------------------------------------------------------------------------------------- write
+
+    def write(self, seq: Sequence, start: int, end: int, parent: int) -> Awaitable[None] | None:
+        """Write blocks [start, end) of the sequence (full, hashed) into the pool; the awaitable ends once
+        they are committed (None: nothing to wait for). The cache blocks are copied before this returns."""
+        if end <= start or not self.client.is_local:
+            return None
+        hashes = seq.block_hashes[start:end]
+        parents = [parent, *hashes[:-1]]
+        started = time.perf_counter()
+        try:
+            slots = self.client.alloc_now(hashes, parents, lease_ms=self.lease_ms, timeout_s=CALL_TIMEOUT_S)
+        except KvpathError as exc:
+            metrics.POOL_BLOCKS.labels("write_error").inc(end - start)
+            log.warning("pool alloc failed request_id=%s: %s", seq.request_id, exc.message)
+            return None
+        picked = [i for i, s in enumerate(slots) if s >= 0]
+        if not picked:
+            return None
+        block_ids = [seq.block_ids[start + i] for i in picked]
+        targets = [int(slots[i]) for i in picked]
+        checksums = self._export(block_ids, targets)
+        metrics.POOL_BLOCKS.labels("written").inc(len(picked))
+        metrics.POOL_WRITE_SECONDS.observe(time.perf_counter() - started)
+        return self._keep(self._commit(seq.request_id, [hashes[i] for i in picked], checksums))
+
+    def _export(self, block_ids: list[int], slots: list[int]) -> list[int]:
+        checksums = []
+        for first, count, blocks in self._runs(slots):
+            self.kv.export_blocks(block_ids[first : first + count], blocks)
+            checksums += [block_checksum(b) for b in blocks]
+        return checksums
+
+    async def _commit(self, request_id: str, hashes: list[int], checksums: list[int]) -> None:
+        try:
+            await self.client.commit(hashes, checksums, timeout_s=1.0)
+        except KvpathError as exc:  # uncommitted slots go back when their allocation expires
+            metrics.POOL_BLOCKS.labels("write_error").inc(len(hashes))
+            log.warning("pool commit failed request_id=%s: %s", request_id, exc.message)
+
+    def _keep(self, work: Awaitable[Any]) -> asyncio.Future[Any]:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=1.0)
+        for task in tasks:
+            task.cancel()
+        self.client.close()

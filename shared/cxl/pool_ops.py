@@ -1,0 +1,199 @@
+"""The KV pool's operations as bytes: the one encoding both of its transports carry (CXL-RPC rings in shared
+memory for clients on the pool's host, NATS request/reply for the rest), so both have the same semantics.
+
+Little-endian, fixed headers then u64/i64 arrays (numpy views on decode, no per-hash Python):
+
+    INFO     -> JSON PoolInfo                     geometry and device paths, to map the pool
+    LOOKUP   u8 pin, u8 0, u16 0, u32 lease_ms, u32 n, u64 hash[n]
+             -> u64 lease_id, u32 n_hit, i64 slot[n_hit], u64 checksum[n_hit]
+    ALLOC    u32 lease_ms, u32 n, u64 hash[n], u64 parent[n]   -> u32 n, i64 slot[n]  (NO_SLOT / NO_ROOM < 0)
+    COMMIT   u32 n, u64 hash[n], u64 checksum[n]               -> u32 committed
+    UNPIN    u64 lease_id                                      -> u8 ended
+    FREE     u32 n, u64 hash[n]                                -> u32 freed
+    STATS    -> JSON
+
+A request that does not parse raises `PoolRequestError`; the pool answers it with STATUS_BAD_REQUEST and goes
+on serving.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.errors import InvalidRequestError
+
+MAX_HASHES = 4096  # per call: a 256K-token prompt at 64-token blocks
+U64 = np.dtype("<u8")
+I64 = np.dtype("<i8")
+
+_LOOKUP = struct.Struct("<BBHII")
+_LOOKUP_REPLY = struct.Struct("<QI")
+_ALLOC = struct.Struct("<II")
+_COUNT = struct.Struct("<I")
+_LEASE = struct.Struct("<Q")
+
+
+class Op(enum.IntEnum):
+    INFO = 1
+    LOOKUP = 2
+    ALLOC = 3
+    COMMIT = 4
+    UNPIN = 5
+    FREE = 6
+    STATS = 7
+
+
+class PoolStatus(enum.IntEnum):
+    """Statuses the pool's handler answers with (the transports keep their own below 100)."""
+
+    OK = 0
+    BAD_REQUEST = 100
+    UNKNOWN_OP = 101
+
+
+class PoolRequestError(InvalidRequestError):
+    """A pool request that does not parse or is out of range."""
+
+
+@dataclass(frozen=True, slots=True)
+class LookupRequest:
+    hashes: np.ndarray
+    pin: bool
+    lease_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class LookupReply:
+    lease_id: int
+    slots: np.ndarray
+    checksums: np.ndarray
+
+
+def _array(data: memoryview | bytes, offset: int, n: int, dtype: np.dtype, what: str) -> np.ndarray:
+    end = offset + n * dtype.itemsize
+    if end > len(data):
+        raise PoolRequestError(f"{what}: {n} entries need {end} bytes, got {len(data)}")
+    return np.frombuffer(data, dtype=dtype, count=n, offset=offset)
+
+
+def _count(n: int, what: str) -> int:
+    if not 0 <= n <= MAX_HASHES:
+        raise PoolRequestError(f"{what}: {n} entries, at most {MAX_HASHES}")
+    return n
+
+
+def _exact(data: memoryview | bytes, size: int, what: str) -> None:
+    if len(data) != size:
+        raise PoolRequestError(f"{what}: {len(data)} bytes, expected {size}")
+
+
+# ------------------------------------------------------------------------------------------- LOOKUP
+
+
+def encode_lookup(hashes: Sequence[int] | np.ndarray, *, pin: bool, lease_ms: int) -> bytes:
+    array = np.asarray(hashes, dtype=U64)
+    return _LOOKUP.pack(int(pin), 0, 0, lease_ms, len(array)) + array.tobytes()
+
+
+def decode_lookup(data: memoryview | bytes) -> LookupRequest:
+    if len(data) < _LOOKUP.size:
+        raise PoolRequestError("lookup: short header")
+    pin, _, _, lease_ms, n = _LOOKUP.unpack_from(data)
+    n = _count(n, "lookup")
+    _exact(data, _LOOKUP.size + 8 * n, "lookup")
+    return LookupRequest(_array(data, _LOOKUP.size, n, U64, "lookup"), bool(pin), lease_ms)
+
+
+def encode_lookup_reply(lease_id: int, slots: Sequence[int], checksums: Sequence[int]) -> bytes:
+    head = _LOOKUP_REPLY.pack(lease_id, len(slots))
+    return head + np.asarray(slots, dtype=I64).tobytes() + np.asarray(checksums, dtype=U64).tobytes()
+
+
+def decode_lookup_reply(data: memoryview | bytes) -> LookupReply:
+    lease_id, n = _LOOKUP_REPLY.unpack_from(data)
+    slots = _array(data, _LOOKUP_REPLY.size, n, I64, "lookup reply")
+    checksums = _array(data, _LOOKUP_REPLY.size + 8 * n, n, U64, "lookup reply")
+    return LookupReply(lease_id, slots, checksums)
+
+
+# -------------------------------------------------------------------------------------------- ALLOC
+
+
+def encode_alloc(hashes: Sequence[int], parents: Sequence[int], *, lease_ms: int) -> bytes:
+    return (
+        _ALLOC.pack(lease_ms, len(hashes))
+        + np.asarray(hashes, dtype=U64).tobytes()
+        + np.asarray(parents, dtype=U64).tobytes()
+    )
+
+
+def decode_alloc(data: memoryview | bytes) -> tuple[np.ndarray, np.ndarray, int]:
+    if len(data) < _ALLOC.size:
+        raise PoolRequestError("alloc: short header")
+    lease_ms, n = _ALLOC.unpack_from(data)
+    n = _count(n, "alloc")
+    _exact(data, _ALLOC.size + 16 * n, "alloc")
+    hashes = _array(data, _ALLOC.size, n, U64, "alloc")
+    return hashes, _array(data, _ALLOC.size + 8 * n, n, U64, "alloc"), lease_ms
+
+
+def encode_slots(slots: Sequence[int]) -> bytes:
+    return _COUNT.pack(len(slots)) + np.asarray(slots, dtype=I64).tobytes()
+
+
+def decode_slots(data: memoryview | bytes) -> np.ndarray:
+    (n,) = _COUNT.unpack_from(data)
+    return _array(data, _COUNT.size, n, I64, "alloc reply")
+
+
+# ------------------------------------------------------------------------------ COMMIT, FREE, UNPIN
+
+
+def encode_commit(hashes: Sequence[int], checksums: Sequence[int]) -> bytes:
+    return (
+        _COUNT.pack(len(hashes))
+        + np.asarray(hashes, dtype=U64).tobytes()
+        + np.asarray(checksums, dtype=U64).tobytes()
+    )
+
+
+def decode_commit(data: memoryview | bytes) -> tuple[np.ndarray, np.ndarray]:
+    if len(data) < _COUNT.size:
+        raise PoolRequestError("commit: short header")
+    n = _count(_COUNT.unpack_from(data)[0], "commit")
+    _exact(data, _COUNT.size + 16 * n, "commit")
+    return _array(data, _COUNT.size, n, U64, "commit"), _array(data, _COUNT.size + 8 * n, n, U64, "commit")
+
+
+def encode_hashes(hashes: Sequence[int]) -> bytes:
+    return _COUNT.pack(len(hashes)) + np.asarray(hashes, dtype=U64).tobytes()
+
+
+def decode_hashes(data: memoryview | bytes) -> np.ndarray:
+    if len(data) < _COUNT.size:
+        raise PoolRequestError("free: short header")
+    n = _count(_COUNT.unpack_from(data)[0], "free")
+    _exact(data, _COUNT.size + 8 * n, "free")
+    return _array(data, _COUNT.size, n, U64, "free")
+
+
+def encode_count(n: int) -> bytes:
+    return _COUNT.pack(n)
+
+
+def decode_count(data: memoryview | bytes) -> int:
+    return int(_COUNT.unpack_from(data)[0])
+
+
+def encode_lease(lease_id: int) -> bytes:
+    return _LEASE.pack(lease_id)
+
+
+def decode_lease(data: memoryview | bytes) -> int:
+    _exact(data, _LEASE.size, "unpin")
+    return int(_LEASE.unpack_from(data)[0])
