@@ -5,6 +5,9 @@ kvpath loadgen sim --sweep fig8 --model ds27b --agents 1024 --mal 64k      # Bas
 kvpath loadgen sim --sweep ablation --model ds660b --agents 1024            # paper Figure 12 right
 kvpath loadgen sim --sweep cost                                             # scheduler CPU at 48P96D
 kvpath loadgen sim --sweep capacity --model ds660b --aps 0.2 --duration-s 900
+kvpath loadgen sim --sweep beluga                                            # Beluga vs MoonCake, Table 5
+
+`--sweep beluga` reads only its own flags (the PoolSimConfig group, YAML section `sim_pool:`) and `--seed`.
 """
 
 from __future__ import annotations
@@ -17,17 +20,23 @@ from typing import Any
 import orjson
 
 from loadgen.sim.config import SimConfig
+from loadgen.sim.pool.config import PoolSimConfig
 from shared.config import add_config_args, build_config
 from shared.errors import KvpathError
 
-SWEEPS = ("none", "fig8", "ablation", "cost", "capacity")
+SWEEPS = ("none", "fig8", "ablation", "cost", "capacity", "beluga")
 # --sweep cost without these flags: the paper's largest run, for a short simulated stretch
 COST_DEFAULTS = {"model": "ds660b", "config": "48P96D", "agents": 49152, "max_sim_s": 600.0}
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("sim", help="simulate a DualPath cluster at paper scale (placement policies)")
-    p.add_argument("--sweep", choices=SWEEPS, default="none", help="run an experiment instead of one run")
+    p.add_argument(
+        "--sweep",
+        choices=SWEEPS,
+        default="none",
+        help="run an experiment instead of one run (beluga reads --seed and the PoolSimConfig flags only)",
+    )
     p.add_argument(
         "--json",
         nargs="?",
@@ -38,6 +47,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--config-file", default=None, help="YAML file (section `sim:`)")
     add_config_args(p, SimConfig)
+    add_config_args(p, PoolSimConfig, skip=tuple(SimConfig.__dataclass_fields__))  # --sweep beluga
     p.set_defaults(func=_guarded(_run))
 
 
@@ -77,6 +87,12 @@ def _run(args: argparse.Namespace) -> int:
     from loadgen.sim.report import format_experiment
     from loadgen.sim.simulate import format_summary, simulate
 
+    if args.sweep == "beluga":
+        from loadgen.sim.pool.report import format_beluga
+        from loadgen.sim.pool.sweep import beluga_config, beluga_sweep
+
+        summary = beluga_sweep(beluga_config(args), progress=_progress)
+        return _emit(args, summary, format_beluga(summary))
     config = _config(args)
     result: dict[str, Any]
     if args.sweep == "none":
@@ -91,6 +107,10 @@ def _run(args: argparse.Namespace) -> int:
         }
         result = experiments[args.sweep](config, progress=_progress)
         text = format_experiment(result)
+    return _emit(args, result, text)
+
+
+def _emit(args: argparse.Namespace, result: dict[str, Any], text: str) -> int:
     payload = orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
     if args.json == "-":
         sys.stdout.write(payload.decode() + "\n")
