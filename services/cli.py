@@ -30,6 +30,8 @@ SERVICE_MODULES = {
     "engine": "services.engine.__main__",
     "storage": "services.storage.__main__",
     "index": "services.index.__main__",
+    "remotekv": "services.remotekv.__main__",
+    "cxlpool": "services.cxlpool.__main__",
 }
 
 

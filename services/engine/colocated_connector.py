@@ -186,7 +186,7 @@ class ColocatedConnector(KvConnector):
     def _release_reads(self, record: _Record) -> None:
         read, record.pool_read = record.pool_read, None
         if read is not None and self.pool is not None:
-            self.pool.release(read.lease_id)
+            self.pool.release(read)
         lease, record.lease = record.lease, None
         self.storage.release(lease)
 

@@ -36,10 +36,29 @@ class EngineConfig(BaseConfig):
         0.3, "prefill role: predicted attention-layer time per batch, DualPath's quota (0: token budget)"
     )
     load_kv: bool = doc(True, "load stored prefix blocks instead of recomputing them")
+    kv_pool: str = doc(
+        "", "colocated role: the KV pool (Beluga; `kvpath serve cxlpool`) to use above storage"
+    )
+    pool_verify_checksums: bool = doc(True, "check each pool block's checksum before using it")
+    pool_lease_ms: int = doc(30_000, "how long a pool read lease or write allocation lives at most")
+    pool_connect_timeout_s: float = doc(30.0, "how long to wait for the pool at start before going without")
+    kv_remote: str = doc(
+        "", "colocated role: the remote KV store (the RDMA-pool baseline; `kvpath serve remotekv`) to use"
+    )
+    remote_cache_bytes: int = doc(256 * 1024 * 1024, "remote tier: engine-local DRAM cache of super blocks")
+    remote_chunk_tokens: int = doc(256, "remote tier: tokens per super block (the store's chunk_tokens)")
+    remote_timeout_s: float = doc(2.0, "remote tier: deadline of one store operation (metadata or bytes)")
 
     def validate(self) -> None:
         BaseConfig.validate(self)
+        self._validate_remote()
         check(self.role in ROLES, "role", self.role, f"one of {', '.join(ROLES)}")
+        check(
+            not self.kv_pool or self.role == "colocated",
+            "kv_pool",
+            self.kv_pool,
+            "only colocated engines use a pool",
+        )
         check(
             self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
             "block_size",
@@ -73,3 +92,25 @@ class EngineConfig(BaseConfig):
             self.dtype,
             "float32, bfloat16 or float16",
         )
+
+    def _validate_remote(self) -> None:
+        if not self.kv_remote:
+            return
+        check(
+            self.role == "colocated", "kv_remote", self.kv_remote, "only colocated engines use a remote store"
+        )
+        check(
+            not self.kv_pool,
+            "kv_remote",
+            self.kv_remote,
+            f"one upper tier at a time (kv_pool={self.kv_pool!r})",
+        )
+        check(self.load_kv or self.persist_kv, "kv_remote", self.kv_remote, "needs load_kv or persist_kv")
+        check(
+            self.remote_chunk_tokens > 0 and self.remote_chunk_tokens % self.block_size == 0,
+            "remote_chunk_tokens",
+            self.remote_chunk_tokens,
+            f"must be a positive multiple of block_size={self.block_size}",
+        )
+        check(self.remote_cache_bytes > 0, "remote_cache_bytes", self.remote_cache_bytes, "must be > 0")
+        check(self.remote_timeout_s > 0, "remote_timeout_s", self.remote_timeout_s, "must be > 0")

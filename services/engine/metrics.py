@@ -58,3 +58,31 @@ POOL_WRITE_SECONDS = Histogram(
     "Time to allocate pool slots and copy a step's finished blocks into them",
     buckets=_STEP_BUCKETS,
 )
+REMOTE_CHUNKS = Counter(
+    "kvpath_engine_kv_remote_chunks_total",
+    "Remote tier super blocks by outcome: local_hit, remote_hit, miss, cache_full (reads); written, "
+    "exists, full, write_error, write_skipped (writes)",
+    ["outcome"],
+)
+REMOTE_ERRORS = Counter(
+    "kvpath_engine_kv_remote_errors_total",
+    "Remote tier operations that failed (a miss or a skipped write), by op and error code",
+    ["op", "code"],
+)
+REMOTE_BYTES = Counter(
+    "kvpath_engine_kv_remote_bytes_total",
+    "KV bytes moved by the remote tier: in (GETs), out (PUTs)",
+    ["direction"],
+)
+REMOTE_OP_SECONDS = Histogram(
+    "kvpath_engine_kv_remote_op_seconds",
+    "Remote tier time per op: get (a GET's super blocks landing locally), store (PUT, write, COMMIT)",
+    ["op"],
+    buckets=_STEP_BUCKETS,
+)
+REMOTE_CACHE_USED_BYTES = Gauge(
+    "kvpath_engine_kv_remote_cache_used_bytes", "Bytes of the remote tier's local super-block cache in use"
+)
+REMOTE_CACHE_EVICTIONS = Counter(
+    "kvpath_engine_kv_remote_cache_evicted_chunks_total", "Super blocks evicted from the local cache (LRU)"
+)

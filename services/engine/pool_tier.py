@@ -87,7 +87,7 @@ class PoolTier:
             metrics.POOL_BLOCKS.labels("corrupt").inc(1)
             log.warning("pool block %d of request_id=%s is corrupt: a miss from there", good, seq.request_id)
         if not good:
-            self.release(reply.lease_id)
+            self._unpin(reply.lease_id)
             return None
         return PoolRead(reply.lease_id, slots[:good], self._runs(slots[:good]))
 
@@ -111,10 +111,19 @@ class PoolTier:
         for first, count, blocks in read.runs:
             self.kv.import_layer(block_ids[first : first + count], layer, blocks[:, layer])
 
-    def release(self, lease_id: int) -> None:
-        """End a read lease (in the background; an expired lease ends by itself)."""
+    def release(self, read: PoolRead) -> None:
+        """End the read's lease (in the background; an expired lease ends by itself)."""
+        self._unpin(read.lease_id)
+
+    def _unpin(self, lease_id: int) -> None:
         if lease_id:
-            self._keep(self.client.unpin(lease_id, timeout_s=CALL_TIMEOUT_S))
+            self._keep(self._unpin_quietly(lease_id))
+
+    async def _unpin_quietly(self, lease_id: int) -> None:
+        try:
+            await self.client.unpin(lease_id, timeout_s=CALL_TIMEOUT_S)
+        except KvpathError as exc:  # the lease expires by itself
+            log.debug("pool unpin failed lease=%d: %s", lease_id, exc.message)
 
     # ----------------------------------------------------------------------------------------- write
 

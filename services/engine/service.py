@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import Any
 
@@ -12,9 +13,12 @@ from services.engine.config import EngineConfig
 from services.engine.connector import KvConnector, NullConnector
 from services.engine.core import EngineCore
 from services.engine.handlers import EngineHandlers
+from shared.blocks import BlockLayout
 from shared.protocol import Abort, LoadReport, ServiceInfo, TokenBatch
 from shared.protocol.tasks import PullHits
 from shared.service import Service
+
+log = logging.getLogger(__name__)
 
 
 class EngineService(Service):
@@ -29,14 +33,19 @@ class EngineService(Service):
         self.receiver: Any = None  # KV data plane (prefill / decode roles)
         self.sender: Any = None
         self.peers: Any = None
+        self.upper_tier: Any = None  # a KV tier above storage (colocated: the pool or the remote store)
 
     def role(self) -> str:
         return self.config.role
 
     async def on_start(self) -> None:
         self.runner = await asyncio.to_thread(load_runner, self.config)
-        if self.config.role != "colocated":
+        if self.config.role != "colocated" or self.config.kv_remote:
             await self._start_data_plane()
+        if self.config.kv_pool:
+            self.upper_tier = await connect_pool(self.config, self)
+        if self.config.kv_remote:
+            self.upper_tier = await start_remote_tier(self.config, self)
         self.connector = build_connector(self.config, self)
         await self.connector.start()
         self.core = EngineCore(
@@ -178,4 +187,73 @@ def build_connector(config: EngineConfig, service: EngineService) -> KvConnector
         return NullConnector()
     from services.engine.colocated_connector import ColocatedConnector
 
-    return ColocatedConnector(bus, runner, load_kv=config.load_kv, persist_kv=config.persist_kv, **common)
+    return ColocatedConnector(
+        bus, runner, load_kv=config.load_kv, persist_kv=config.persist_kv, tier=service.upper_tier, **common
+    )
+
+
+async def connect_pool(config: EngineConfig, service: EngineService) -> Any:
+    """The pool tier (Beluga), or None when the pool cannot be used from here: not reachable in time, its
+    memory not mappable from this process, or holding another KV format (each logged once, at start)."""
+    from services.engine.pool_tier import PoolTier
+    from shared.cxl.pool_client import PoolClient
+    from shared.errors import KvpathError
+
+    deadline = time.monotonic() + config.pool_connect_timeout_s
+    while True:
+        try:
+            client = await PoolClient.connect(service.bus, config.kv_pool)
+            break
+        except KvpathError as exc:
+            if time.monotonic() > deadline:
+                log.error("pool %s not reachable (%s): serving without it", config.kv_pool, exc.message)
+                return None
+            await asyncio.sleep(0.5)
+    runner = service.runner
+    layout = BlockLayout(runner.spec.num_layers, config.block_size, runner.kv.bytes_per_token_layer)
+    problem = ""
+    if client.memory is None:
+        problem = "its memory is not mappable here"
+    elif client.info.fingerprint != runner.fingerprint or client.info.slot_bytes != layout.full_block_bytes:
+        problem = f"it holds KV format {client.info.fingerprint!r}, this engine {runner.fingerprint!r}"
+    if problem:
+        log.error("pool %s unusable: %s; serving without it", config.kv_pool, problem)
+        client.close()
+        return None
+    return PoolTier(
+        client,
+        layout,
+        runner.kv,
+        verify_checksums=config.pool_verify_checksums,
+        lease_ms=config.pool_lease_ms,
+    )
+
+
+async def start_remote_tier(config: EngineConfig, service: EngineService) -> Any:
+    """The remote-memory tier (`--kv-remote`, the RDMA-pool baseline): a local super-block cache registered
+    on the engine's data plane in front of the store. A store not up yet is fine: the tier links on use."""
+    from services.engine.remote_client import ChunkFormat, RemoteStoreClient
+    from services.engine.remote_events import CacheAnnouncer
+    from services.engine.remote_tier import RemoteTier
+    from shared.hashing import fingerprint_seed
+
+    runner = service.runner
+    layout = BlockLayout(runner.spec.num_layers, config.block_size, runner.kv.bytes_per_token_layer)
+    chunk_blocks = config.remote_chunk_tokens // config.block_size
+    fmt = ChunkFormat(runner.fingerprint, config.remote_chunk_tokens, chunk_blocks * layout.full_block_bytes)
+    client = RemoteStoreClient(
+        service.bus, config.kv_remote, service.sender, fmt, timeout_s=config.remote_timeout_s
+    )
+    tier = RemoteTier(
+        client,
+        service.receiver,
+        CacheAnnouncer(service.bus, service.service_id, block_tokens=config.block_size),
+        layout,
+        runner.kv,
+        engine_id=service.service_id,
+        seed=fingerprint_seed(runner.fingerprint),
+        chunk_blocks=chunk_blocks,
+        cache_bytes=config.remote_cache_bytes,
+    )
+    await tier.start()
+    return tier

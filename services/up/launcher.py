@@ -27,6 +27,7 @@ from pathlib import Path
 
 import aiohttp
 
+from services.policy.colocated import BELUGA, CACHE_AWARE, COLOCATED, COLOCATED_POLICIES
 from services.up.topology import ClusterSpec, ProcessSpec, cluster_processes
 from shared.bus import Bus, Registry
 from shared.errors import KvpathError, ServiceUnavailableError
@@ -49,7 +50,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-nodes", type=int, default=0, help="prefill nodes (disaggregated mode)")
     p.add_argument("--decode-nodes", type=int, default=0, help="decode nodes (disaggregated mode)")
     p.add_argument("--engines-per-node", type=int, default=1, help="engines per prefill/decode node")
-    p.add_argument("--policy", default="", help="colocated | dualpath | basic | dualpath-rr")
+    p.add_argument(
+        "--policy", default="", help="colocated | beluga | cache-aware | dualpath | basic | dualpath-rr"
+    )
+    p.add_argument(
+        "--kv-tier",
+        choices=("storage", "pool", "remote"),
+        default="storage",
+        help="KV tier above storage: none, Beluga's shared pool (default policy beluga), or the "
+        "remote-memory pool baseline (default policy cache-aware)",
+    )
+    p.add_argument("--pool-bytes", type=int, default=0, help="pool / remote store capacity (0: default)")
     p.add_argument(
         "--storage-bandwidth", type=float, default=0, help="bytes/s per node storage NIC (0: unlimited)"
     )
@@ -68,9 +79,12 @@ def spec_from_args(args: argparse.Namespace, kv_root: str) -> ClusterSpec:
     disaggregated = args.prefill_nodes > 0 or args.decode_nodes > 0
     if disaggregated and (args.prefill_nodes < 1 or args.decode_nodes < 1):
         raise SystemExit("kvpath up: disaggregated mode needs --prefill-nodes >= 1 and --decode-nodes >= 1")
-    policy = args.policy or ("dualpath" if disaggregated else "colocated")
-    if disaggregated == (policy == "colocated"):
+    default = {"pool": BELUGA, "remote": CACHE_AWARE}.get(args.kv_tier, COLOCATED)
+    policy = args.policy or ("dualpath" if disaggregated else default)
+    if disaggregated == (policy in COLOCATED_POLICIES):
         raise SystemExit(f"kvpath up: policy {policy!r} does not fit the topology")
+    if args.kv_tier != "storage" and (disaggregated or args.no_kv_store):
+        raise SystemExit("kvpath up: --kv-tier pool|remote serves colocated engines with a KV store")
     return ClusterSpec(
         model=args.model,
         policy=policy,
@@ -83,6 +97,8 @@ def spec_from_args(args: argparse.Namespace, kv_root: str) -> ClusterSpec:
         kv_root=kv_root,
         storage_bandwidth_bytes_per_s=int(args.storage_bandwidth),
         with_kv_store=not args.no_kv_store,
+        kv_tier=args.kv_tier,
+        pool_bytes=args.pool_bytes,
         block_size=args.block_size,
         extra_engine_args=_split(args.engine_arg),
         extra_router_args=_split(args.router_arg),

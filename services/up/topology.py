@@ -22,6 +22,10 @@ class ClusterSpec:
     kv_root: str = ""
     storage_bandwidth_bytes_per_s: int = 0
     with_kv_store: bool = True
+    kv_tier: str = (
+        "storage"  # storage | pool (Beluga's shared KV pool) | remote (remote-memory pool baseline)
+    )
+    pool_bytes: int = 0  # pool / remote store capacity (0: the service's default)
     block_size: int = 64
     extra_engine_args: list[str] = field(default_factory=list)
     extra_router_args: list[str] = field(default_factory=list)
@@ -46,6 +50,7 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
     common = ["--block-size", str(spec.block_size)]
     if spec.with_kv_store:
         procs.append(ProcessSpec("index-0", "index", [], kind="index"))
+    tier_args = _tier_processes(spec, procs, common)
     nodes = _nodes(spec)
     if spec.with_kv_store:
         for node in sorted({n for n, _ in nodes}):
@@ -59,7 +64,7 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
             ]
             procs.append(ProcessSpec(f"storage-{node}", "storage", args, kind="storage"))
     for i, (node, role) in enumerate(nodes):
-        args = ["--role", role, "--node", str(node), "--model", spec.model, *common]
+        args = ["--role", role, "--node", str(node), "--model", spec.model, *common, *tier_args]
         if not spec.with_kv_store:
             args += ["--no-persist-kv", "--no-load-kv"]
         procs.append(
@@ -85,6 +90,20 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
         router_args.append("--no-use-kv-cache")
     procs.append(ProcessSpec("router-0", "router", router_args + spec.extra_router_args, kind="router"))
     return procs
+
+
+def _tier_processes(spec: ClusterSpec, procs: list[ProcessSpec], common: list[str]) -> list[str]:
+    """Start the KV tier's service (the pool, or the remote store) and return the engine flags that use it."""
+    capacity = ["--capacity-bytes", str(spec.pool_bytes)] if spec.pool_bytes else []
+    if spec.kv_tier == "pool":
+        procs.append(
+            ProcessSpec("pool-0", "cxlpool", ["--model", spec.model, *common, *capacity], kind="cxlpool")
+        )
+        return ["--kv-pool", "pool-0"]
+    if spec.kv_tier == "remote":
+        procs.append(ProcessSpec("remotekv-0", "remotekv", [*capacity], kind="remotekv"))
+        return ["--kv-remote", "remotekv-0"]
+    return []
 
 
 def _nodes(spec: ClusterSpec) -> list[tuple[int, str]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
+from typing import Any
 
 from shared.protocol.codec import Message, message
 
@@ -233,3 +234,135 @@ class PoolInfo(Message):
     device_paths: list[str]
     rpc_segment: str = ""
     host_id: str = ""
+
+
+# ------------------------------------------------------------------------- remote KV store (baseline)
+# The remote-memory pool Beluga is measured against (vLLM + LMCache + Mooncake store): super blocks of
+# `chunk_tokens` tokens, each keyed by the chained hash of its LAST block (which names the whole prefix),
+# held in a store's DRAM region. Metadata travels here (`remotekv.<store>.<op>`); bytes move one-sidedly on
+# the KV data plane: engines write into the store's region after a PUT, the store writes into an engine's
+# region for a GET.
+
+REMOTEKV_PUT_OUTCOMES = ("ok", "exists", "full")  # ok: reserved at the offset; exists: held or being written
+
+
+@message
+class RemoteKvInfoRequest(Message):
+    KIND = "remotekv_info_request"
+
+
+@message
+class RemoteKvInfo(Message):
+    """What an engine needs to use a remote KV store: the region it writes super blocks into, the store's
+    receiver (`KvEndpoint`), the super-block geometry. `epoch` changes when the store restarts (its contents
+    and offsets are then gone). `chunk_bytes` is the adopted super-block size (0: nothing adopted yet)."""
+
+    KIND = "remotekv_info"
+    store_id: str
+    epoch: int
+    region: str
+    endpoint: dict[str, Any]
+    chunk_tokens: int
+    capacity_bytes: int
+    chunk_bytes: int = 0
+    fingerprint: str = ""
+    used_bytes: int = 0
+    num_chunks: int = 0
+
+
+@message
+class RemoteKvPut(Message):
+    """`remotekv.<store>.put`: reserve slots for these super blocks. The writer then writes each reserved one
+    at its offset and COMMITs; slots not committed within `timeout_s` go back to the store."""
+
+    KIND = "remotekv_put"
+    request_id: str
+    fingerprint: str
+    chunk_tokens: int
+    chunk_bytes: int
+    keys: list[int]
+    timeout_s: float = 10.0
+
+
+@message
+class RemoteKvPutReply(Message):
+    """Per key: `offsets[i]` in the store's region (-1 unless reserved) and `outcomes[i]` (ok | exists |
+    full). `put_id` names the reservation in the COMMIT (0: nothing reserved)."""
+
+    KIND = "remotekv_put_reply"
+    epoch: int
+    put_id: int
+    offsets: list[int]
+    outcomes: list[str]
+
+
+@message
+class RemoteKvCommit(Message):
+    """`remotekv.<store>.commit`: the super blocks `keys` of reservation `put_id` are written, publish them;
+    the reservation's other keys are given back (their write failed or was skipped)."""
+
+    KIND = "remotekv_commit"
+    put_id: int
+    keys: list[int]
+
+
+@message
+class RemoteKvCommitReply(Message):
+    KIND = "remotekv_commit_reply"
+    num_committed: int
+    num_released: int = 0
+
+
+@message
+class RemoteKvTarget(Message):
+    """Where a store writes the super blocks of a GET: an engine's registered transport region, one byte
+    offset per requested key."""
+
+    KIND = "remotekv_target"
+    engine_id: str
+    endpoint: dict[str, Any]  # the engine's KvEndpoint (shared.transport)
+    region: str
+    offsets: list[int]
+
+
+@message
+class RemoteKvGet(Message):
+    """`remotekv.<store>.get`: write the longest prefix of `keys` the store holds (committed) into
+    `target`; the reply comes once those bytes are there."""
+
+    KIND = "remotekv_get"
+    request_id: str
+    fingerprint: str
+    chunk_tokens: int
+    chunk_bytes: int
+    keys: list[int]
+    target: RemoteKvTarget
+    timeout_s: float = 5.0
+
+
+@message
+class RemoteKvGetReply(Message):
+    """`num_hit_chunks` leading keys are in the target region; `miss_reason` says why the next one is not
+    ("" | missing | foreign: the store holds another KV format). `exists`: which keys the store holds."""
+
+    KIND = "remotekv_get_reply"
+    epoch: int
+    num_hit_chunks: int
+    miss_reason: str = ""
+    exists: list[bool] = field(default_factory=list)
+
+
+@message
+class RemoteKvExist(Message):
+    """`remotekv.<store>.exist`: which of these super blocks the store holds (committed)."""
+
+    KIND = "remotekv_exist"
+    keys: list[int]
+
+
+@message
+class RemoteKvExistReply(Message):
+    KIND = "remotekv_exist_reply"
+    epoch: int
+    exists: list[bool]
+    num_prefix_chunks: int  # leading keys held

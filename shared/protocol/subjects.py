@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+REMOTEKV_OPS = ("info", "put", "commit", "get", "exist")
 
 
 def check_token(value: str | int, what: str = "id") -> str:
@@ -82,9 +83,19 @@ class Subjects:
     def storage_control(self, node: int) -> str:
         return f"{self.prefix}.storage.{check_token(node, 'node')}.control"
 
+    # -- remote KV store (the RDMA-pool baseline): request/reply, op in REMOTEKV_OPS
+    def remotekv(self, store_id: str, op: str) -> str:
+        if op not in REMOTEKV_OPS:
+            raise ValueError(f"remote KV store op {op!r} is not one of {', '.join(REMOTEKV_OPS)}")
+        return f"{self.prefix}.remotekv.{check_token(store_id, 'store_id')}.{op}"
+
     # -- KV data plane (transfer notices between engines)
     def transfer(self, engine_id: str) -> str:
         return f"{self.prefix}.transfer.{check_token(engine_id)}"
+
+    # -- CXL-RPC of a Beluga pool over NATS (clients on other hosts; same ops as the shared-memory rings)
+    def cxl_rpc(self, pool_id: str) -> str:
+        return f"{self.prefix}.cxl.rpc.{check_token(pool_id, 'pool id')}"
 
     # -- registry of live services (JetStream KV bucket)
     @property

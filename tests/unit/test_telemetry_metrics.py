@@ -12,7 +12,7 @@ from prometheus_client.metrics import MetricWrapperBase
 REPO = Path(__file__).resolve().parents[2]
 METRICS_DOC = REPO / "docs" / "metrics.md"
 _ROW = re.compile(r"^\| `(kvpath_[a-z0-9_]+)` \| (counter|gauge|histogram) \|([^|]*)\|")
-_SECTIONS = ("bus", "router", "engine", "storage", "index")
+_SECTIONS = ("bus", "router", "engine", "storage", "index", "remotekv", "cxlpool")
 
 
 @dataclass(frozen=True, slots=True)
