@@ -106,8 +106,11 @@ class PoolMemory:
         self.devices: list[np.ndarray] = []  # one [device_slots, slot_bytes] uint8 view per device
         try:
             for d, path in enumerate(self.paths):
-                self._map(path, geometry.device_bytes(d), create=create)
                 slots = geometry.device_slots(d)
+                if not slots:  # a pool smaller than one stripe per device leaves the last ones empty
+                    self.devices.append(np.empty((0, geometry.slot_bytes), dtype=np.uint8))
+                    continue
+                self._map(path, geometry.device_bytes(d), create=create)
                 flat = np.frombuffer(self._maps[-1], dtype=np.uint8, count=slots * geometry.slot_bytes)
                 self.devices.append(flat.reshape(slots, geometry.slot_bytes))
         except BaseException:

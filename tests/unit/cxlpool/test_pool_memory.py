@@ -58,3 +58,14 @@ def test_two_mappings_see_the_same_bytes_and_runs_group_consecutive_slots() -> N
         paths = list(owner.paths)
         owner.close()
     assert not any(os.path.exists(p) for p in paths)  # the creator unlinks its devices
+
+
+def test_a_pool_smaller_than_a_stripe_per_device_leaves_devices_empty() -> None:
+    g = PoolGeometry(slot_bytes=1024, num_slots=3, num_devices=4, interleave_bytes=2048)
+    assert [g.device_slots(d) for d in range(4)] == [2, 1, 0, 0]
+    memory = PoolMemory.create(g, f"kvpath-test-{uuid.uuid4().hex[:8]}-pool")
+    try:
+        memory.slot(2)[:] = 7
+        assert [len(d) for d in memory.devices] == [2, 1, 0, 0]
+    finally:
+        memory.close()
