@@ -107,23 +107,21 @@ class PoolCore:
         req = ops.decode_lookup(payload)
         lease_ns = self._lease_ns(req.lease_ms)
         hit = self.table.lookup(
-            req.hashes.tolist(), owner, pin=req.pin, lease_ns=lease_ns, now_ns=self.clock_ns()
+            req.hashes, owner, pin=req.pin, lease_ns=lease_ns, now_ns=self.clock_ns()
         )
         return ops.encode_lookup_reply(hit.lease_id, hit.slots, hit.checksums)
 
     def _alloc(self, owner: str, payload: memoryview) -> bytes:
         hashes, parents, lease_ms = ops.decode_alloc(payload)
         lease_ns = self._lease_ns(lease_ms)
-        slots, evicted = self.table.alloc(
-            hashes.tolist(), parents.tolist(), owner, lease_ns=lease_ns, now_ns=self.clock_ns()
-        )
+        slots, evicted = self.table.alloc(hashes, parents, owner, lease_ns=lease_ns, now_ns=self.clock_ns())
         if evicted:
             self._changed(TierChange(removed=tuple(evicted)))
         return ops.encode_slots(slots)
 
     def _commit(self, owner: str, payload: memoryview) -> bytes:
         hashes, checksums = ops.decode_commit(payload)
-        committed = self.table.commit(hashes.tolist(), checksums.tolist(), owner)
+        committed = self.table.commit(hashes, checksums, owner)
         if committed:
             parents = tuple(self.table.entries[h].parent for h in committed)
             self._changed(TierChange(stored=tuple(committed), parents=parents))
@@ -133,7 +131,7 @@ class PoolCore:
         return bytes([self.table.unpin(ops.decode_lease(payload), owner)])
 
     def _free(self, owner: str, payload: memoryview) -> bytes:
-        return ops.encode_count(self.table.free(ops.decode_hashes(payload).tolist(), owner))
+        return ops.encode_count(self.table.free(ops.decode_hashes(payload), owner))
 
     def _changed(self, change: TierChange) -> None:
         self.changes.append(change)

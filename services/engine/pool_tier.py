@@ -79,7 +79,7 @@ class PoolTier:
             metrics.POOL_BLOCKS.labels("error").inc(num_blocks)
             log.warning("pool lookup failed request_id=%s: %s", seq.request_id, exc.message)
             return None
-        slots = [int(s) for s in reply.slots]
+        slots = reply.slots
         good = self._verified(slots, reply.checksums) if self.verify_checksums else len(slots)
         metrics.POOL_BLOCKS.labels("hit").inc(good)
         metrics.POOL_BLOCKS.labels("miss").inc(num_blocks - good)
@@ -91,7 +91,7 @@ class PoolTier:
             return None
         return PoolRead(reply.lease_id, slots[:good], self._runs(slots[:good]))
 
-    def _verified(self, slots: list[int], checksums: np.ndarray) -> int:
+    def _verified(self, slots: list[int], checksums: list[int]) -> int:
         """How many leading blocks match their committed checksums."""
         for i, slot in enumerate(slots):
             if block_checksum(self.memory.slot(slot)) != int(checksums[i]):

@@ -15,8 +15,6 @@ import random
 from collections.abc import Sequence
 from typing import Protocol
 
-import numpy as np
-
 from shared.bus import Bus
 from shared.cxl import pool_ops as ops
 from shared.cxl.pool_memory import PoolGeometry, PoolMemory
@@ -91,7 +89,7 @@ class PoolClient:
 
     def alloc_now(
         self, hashes: Sequence[int], parents: Sequence[int], *, lease_ms: int, timeout_s: float
-    ) -> np.ndarray:
+    ) -> list[int]:
         """ALLOC synchronously (shared-memory transport only: µs, no event-loop hop)."""
         return ops.decode_slots(
             self._call(Op.ALLOC, ops.encode_alloc(hashes, parents, lease_ms=lease_ms), timeout_s)
@@ -99,7 +97,7 @@ class PoolClient:
 
     async def alloc(
         self, hashes: Sequence[int], parents: Sequence[int], *, lease_ms: int, timeout_s: float
-    ) -> np.ndarray:
+    ) -> list[int]:
         payload = ops.encode_alloc(hashes, parents, lease_ms=lease_ms)
         return ops.decode_slots(await self._acall(Op.ALLOC, payload, timeout_s))
 

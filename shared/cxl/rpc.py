@@ -12,7 +12,7 @@ slot; no network stack, no syscall on a busy path (futexes only when a side has 
 
 Modules: `layout` (the bytes), `segment` (the file, liveness locks), `futex` (sleep and wake, the fence),
 `server`, `attachment` and `client` (the two sides), `rpc_status` (statuses, handler type), `rpc_config`,
-`nats_rpc` (the same calls over NATS, for other hosts), `rpc_bench` (round-trip measurements).
+`nats_rpc` (the same calls over NATS, for other hosts); `loadgen/bench/beluga_rpc.py` measures round trips.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ async def write(client: PoolClient, rng: random.Random, until: float) -> dict[st
         hashes, parents = chain(rng.randrange(CHAINS))
         slots = client.alloc_now(hashes, parents, lease_ms=5000, timeout_s=1.0)
         mine = [(h, int(s)) for h, s in zip(hashes, slots, strict=True) if s >= 0]
-        counts["no_room"] += int((slots == -2).sum())
+        counts["no_room"] += slots.count(-2)
         checksums = []
         for h, slot in mine:
             view = client.memory.slot(slot)
@@ -63,7 +63,7 @@ async def read(client: PoolClient, rng: random.Random, until: float) -> dict[str
         hashes, _ = chain(rng.randrange(CHAINS))
         reply = await client.lookup(hashes, pin=True, lease_ms=5000, timeout_s=1.0)
         counts["lookups"] += 1
-        for h, slot, checksum in zip(hashes, reply.slots.tolist(), reply.checksums.tolist(), strict=False):
+        for h, slot, checksum in zip(hashes, reply.slots, reply.checksums, strict=False):
             view = client.memory.slot(slot)
             if (
                 not np.array_equal(view, expected(view.size, h))
@@ -81,8 +81,8 @@ async def pin(client: PoolClient) -> dict[str, int]:
     pinned = 0
     for name in range(CHAINS):
         reply = await client.lookup(chain(name)[0], pin=True, lease_ms=600_000, timeout_s=1.0)
-        if reply.slots.size:
-            pinned = int(reply.slots.size)
+        if reply.slots:
+            pinned = len(reply.slots)
             break
     print(orjson.dumps({"pinned": pinned}).decode(), flush=True)
     await asyncio.sleep(3600)

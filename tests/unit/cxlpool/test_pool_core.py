@@ -42,19 +42,19 @@ def test_write_then_read_through_the_byte_protocol() -> None:
     pool, wakes = core()
     hashes, parents = [11, 12, 13], [5, 11, 12]
     slots = ops.decode_slots(ok(pool, "w", Op.ALLOC, ops.encode_alloc(hashes, parents, lease_ms=0)))
-    assert sorted(slots.tolist()) == [0, 1, 2]
+    assert sorted(slots) == [0, 1, 2]
     assert ops.decode_count(ok(pool, "w", Op.COMMIT, ops.encode_commit(hashes[:2], [101, 102]))) == 2
     change = pool.take_changes()
     assert [(c.stored, c.parents) for c in change] == [((11, 12), (5, 11))] and wakes
     reply = ops.decode_lookup_reply(
         ok(pool, "r", Op.LOOKUP, ops.encode_lookup(hashes, pin=True, lease_ms=500))
     )
-    assert reply.slots.tolist() == slots[:2].tolist() and reply.checksums.tolist() == [101, 102]
+    assert reply.slots == slots[:2] and reply.checksums == [101, 102]
     assert reply.lease_id > 0
     assert ok(pool, "other", Op.UNPIN, ops.encode_lease(reply.lease_id)) == b"\x00"  # not its lease
     assert ok(pool, "r", Op.UNPIN, ops.encode_lease(reply.lease_id)) == b"\x01"
     again = ops.decode_slots(ok(pool, "w2", Op.ALLOC, ops.encode_alloc(hashes, parents, lease_ms=0)))
-    assert again.tolist() == [NO_SLOT, NO_SLOT, NO_SLOT]
+    assert again == [NO_SLOT, NO_SLOT, NO_SLOT]
     assert ops.decode_count(ok(pool, "w", Op.FREE, ops.encode_hashes([13]))) == 1
     assert decode(ok(pool, "x", Op.INFO, b""), PoolInfo) == INFO
 
@@ -75,7 +75,7 @@ def test_bad_requests_are_answered_and_the_pool_keeps_serving() -> None:
         assert status == PoolStatus.BAD_REQUEST and reply, (op, payload[:16])
     status, reply = pool.handle("c", 99, b"")
     assert status == PoolStatus.UNKNOWN_OP and b"99" in reply
-    assert ops.decode_lookup_reply(ok(pool, "c", Op.LOOKUP, good)).slots.size == 0
+    assert ops.decode_lookup_reply(ok(pool, "c", Op.LOOKUP, good)).slots == []
 
 
 def test_a_dead_clients_leases_and_allocations_are_released() -> None:

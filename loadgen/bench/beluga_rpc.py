@@ -1,15 +1,16 @@
 """Round trips of the CXL-RPC transport against NATS request/reply, for `kvpath bench beluga`.
 
-Both transports serve the same trivial echo handler from a server process of their own. Each client is a
-process of its own making back-to-back calls, one in flight (the paper's QD=1 ping-pong), with a
-LOOKUP-shaped payload (8 B: one hash, 512 B: 64 hashes), for `duration_s` after a warm-up; every client starts
-on the same "go". Transports: "shm" (`RpcClient.call`), "shm-async" (`RpcClient.acall` on an asyncio loop),
+Both transports serve the same server logic from a server process of their own: the pool's own request
+handler (`services/cxlpool/core.py`) over a block table holding a committed 64-block chain, answering LOOKUPs
+of the chain's first 1 or 64 hashes (all hits, no pin). Each client is a process of its own making
+back-to-back calls, one in flight (the paper's QD=1 ping-pong), for `duration_s` after a warm-up; every
+client starts on the same "go". Transports: "shm" (`RpcClient.call`), "shm-async" (`RpcClient.acall` on an asyncio loop),
 "nats" (`NatsRpcClient.acall` through a nats-server). RTT percentiles are over every call of every client;
 ops/s is the sum of the clients' rates. `measure_idle_cpu` is the CPU a server with one attached, silent
 client burns (it should sleep on its futex and wake only for housekeeping).
 
-Children: `python -m shared.cxl.rpc_bench serve|client ...` print one JSON line when ready (and clients one
-with their count when done); a server stops when its stdin closes.
+Children: `python -m loadgen.bench.beluga_rpc serve|client ...` print one JSON line when ready (and clients
+one with their count when done); a server stops when its stdin closes.
 """
 
 from __future__ import annotations
@@ -33,16 +34,22 @@ from typing import Any
 import numpy as np
 import psutil
 
+from services.cxlpool.block_table import BlockTable
+from services.cxlpool.core import PoolCore
 from shared.bus import Bus
 from shared.cxl.client import RpcClient
 from shared.cxl.nats_rpc import NatsRpcClient, NatsRpcServer
+from shared.cxl.pool_ops import Op, encode_lookup
 from shared.cxl.rpc_config import RpcConfig
+from shared.cxl.rpc_status import Handler
 from shared.cxl.server import RpcServer
 from shared.natsserver import NatsServer
+from shared.protocol.kv import PoolInfo
 from shared.protocol.subjects import Subjects
 
 TRANSPORTS = ("shm", "shm-async", "nats")
-_ECHO_OP = 1
+_LOOKUP_OP = int(Op.LOOKUP)
+_CHAIN_BLOCKS = 64
 _START_TIMEOUT_S = 60.0  # spawning 8 interpreters on a loaded 2-core box takes a while
 
 
@@ -50,6 +57,7 @@ _START_TIMEOUT_S = 60.0  # spawning 8 interpreters on a loaded 2-core box takes 
 class RttResult:
     transport: str
     num_clients: int
+    num_hashes: int  # per LOOKUP
     payload_bytes: int
     num_calls: int
     p50_us: float
@@ -60,24 +68,52 @@ class RttResult:
         return asdict(self)
 
 
-def echo(client_id: int, op: int, payload: memoryview) -> tuple[int, memoryview]:
-    return 0, payload
+def _chain() -> tuple[list[int], list[int]]:
+    hashes = [1000 + i for i in range(_CHAIN_BLOCKS)]
+    return hashes, [7, *hashes[:-1]]
+
+
+def pool_handler() -> Handler:
+    """The pool's request handler over a table that holds one committed chain of `_CHAIN_BLOCKS` blocks."""
+    table = BlockTable(4 * _CHAIN_BLOCKS)
+    hashes, parents = _chain()
+    table.alloc(hashes, parents, "bench", lease_ns=10**18, now_ns=0)
+    table.commit(hashes, [0] * len(hashes), "bench")
+    info = PoolInfo(
+        pool_id="bench",
+        epoch=1,
+        fingerprint="bench",
+        block_size=64,
+        slot_bytes=4096,
+        num_slots=table.num_slots,
+        num_devices=1,
+        interleave_bytes=4096,
+        device_paths=[],
+    )
+    core = PoolCore(table, info, default_lease_ms=1000)
+    return lambda client_id, op, payload: core.handle(f"bench:{client_id}", op, payload)
+
+
+def lookup_payload(num_hashes: int) -> bytes:
+    return encode_lookup(_chain()[0][:num_hashes], pin=False, lease_ms=0)
 
 
 def measure_rtt(
     transport: str,
     *,
     num_clients: int = 1,
-    payload_bytes: int = 8,
+    num_hashes: int = 1,
     duration_s: float = 2.0,
     nats_url: str | None = None,
 ) -> RttResult:
     """RTT percentiles and throughput of `num_clients` client processes against one server process."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if not 1 <= num_hashes <= _CHAIN_BLOCKS:
+        raise ValueError(f"num_hashes must be in 1..{_CHAIN_BLOCKS}, got {num_hashes}")
     with tempfile.TemporaryDirectory(prefix="kvpath-rpc-bench-") as tmp, _server(transport, nats_url) as srv:
         outs = [Path(tmp) / f"client-{i}.npy" for i in range(num_clients)]
-        args = [f"--payload-bytes={payload_bytes}", f"--duration-s={duration_s}", *srv.target]
+        args = [f"--num-hashes={num_hashes}", f"--duration-s={duration_s}", *srv.target]
         with _children(
             [["client", f"--transport={transport}", f"--out={out}", *args] for out in outs]
         ) as procs:
@@ -93,7 +129,8 @@ def measure_rtt(
     return RttResult(
         transport=transport,
         num_clients=num_clients,
-        payload_bytes=payload_bytes,
+        num_hashes=num_hashes,
+        payload_bytes=len(lookup_payload(num_hashes)),
         num_calls=int(latencies_ns.size),
         p50_us=round(float(p50_ns) / 1e3, 2),
         p99_us=round(float(p99_ns) / 1e3, 2),
@@ -106,7 +143,7 @@ def measure_idle_cpu(*, duration_s: float = 3.0, settle_s: float = 0.5) -> float
     with _server("shm", None) as srv:
         client = RpcClient(srv.target[0].removeprefix("--name="))
         try:
-            client.call(_ECHO_OP, b"x", 5.0)
+            client.call(_LOOKUP_OP, lookup_payload(1), 5.0)
             server = psutil.Process(srv.pid)
             time.sleep(settle_s)  # let it finish spinning after the call and go to sleep
             before = server.cpu_times()
@@ -122,17 +159,17 @@ def run_rpc_bench(
     *,
     transports: tuple[str, ...] = ("shm", "nats"),
     client_counts: tuple[int, ...] = (1, 8),
-    payload_sizes: tuple[int, ...] = (8, 512),
+    hash_counts: tuple[int, ...] = (1, 64),
     duration_s: float = 2.0,
     nats_url: str | None = None,
 ) -> list[RttResult]:
     """Every combination; a private nats-server is started when NATS is measured and no URL is given."""
     with _nats_url(nats_url if "nats" in transports else "") as url:
         return [
-            measure_rtt(t, num_clients=n, payload_bytes=size, duration_s=duration_s, nats_url=url)
+            measure_rtt(t, num_clients=n, num_hashes=h, duration_s=duration_s, nats_url=url)
             for t in transports
             for n in client_counts
-            for size in payload_sizes
+            for h in hash_counts
         ]
 
 
@@ -173,7 +210,7 @@ def _children(arg_lists: list[list[str]]) -> Iterator[list[subprocess.Popen[str]
     procs: list[subprocess.Popen[str]] = []
     try:
         for args in arg_lists:
-            cmd = [sys.executable, "-m", "shared.cxl.rpc_bench", *args]
+            cmd = [sys.executable, "-m", "loadgen.bench.beluga_rpc", *args]
             procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         yield procs
     finally:
@@ -205,7 +242,7 @@ def _say(**fields: Any) -> None:
 
 
 def _serve_shm(args: argparse.Namespace) -> None:
-    server = RpcServer(args.name, echo, config=RpcConfig())
+    server = RpcServer(args.name, pool_handler(), config=RpcConfig(payload_bytes=65600))
     server.start()
     try:
         _say(pid=psutil.Process().pid)
@@ -217,7 +254,7 @@ def _serve_shm(args: argparse.Namespace) -> None:
 async def _serve_nats(args: argparse.Namespace) -> None:
     bus = Bus(args.url, args.namespace, name="rpc-bench-server")
     await bus.connect()
-    server = NatsRpcServer(bus, Subjects(args.namespace).cxl_rpc("bench"), echo)
+    server = NatsRpcServer(bus, Subjects(args.namespace).cxl_rpc("bench"), pool_handler())
     await server.start()
     _say(pid=psutil.Process().pid)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -230,14 +267,14 @@ def _run_shm_client(args: argparse.Namespace, payload: bytes) -> tuple[list[int]
     call, clock = client.call, time.perf_counter_ns
     warmup_end = time.monotonic() + 0.2
     while time.monotonic() < warmup_end:
-        call(_ECHO_OP, payload, 5.0)
+        call(_LOOKUP_OP, payload, 5.0)
     _say(ready=True)
     sys.stdin.readline()
     latencies_ns: list[int] = []
     begin_ns = clock()
     end_ns = begin_ns + int(args.duration_s * 1e9)
     while (start := clock()) < end_ns:
-        call(_ECHO_OP, payload, 5.0)
+        call(_LOOKUP_OP, payload, 5.0)
         latencies_ns.append(clock() - start)
     elapsed_s = (clock() - begin_ns) / 1e9
     client.close()
@@ -256,14 +293,14 @@ async def _run_async_client(args: argparse.Namespace, payload: bytes) -> tuple[l
     acall, clock = client.acall, time.perf_counter_ns
     warmup_end = time.monotonic() + 0.2
     while time.monotonic() < warmup_end:
-        await acall(_ECHO_OP, payload, 5.0)
+        await acall(_LOOKUP_OP, payload, 5.0)
     _say(ready=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     latencies_ns: list[int] = []
     begin_ns = clock()
     end_ns = begin_ns + int(args.duration_s * 1e9)
     while (start := clock()) < end_ns:
-        await acall(_ECHO_OP, payload, 5.0)
+        await acall(_LOOKUP_OP, payload, 5.0)
         latencies_ns.append(clock() - start)
     elapsed_s = (clock() - begin_ns) / 1e9
     client.close()
@@ -273,7 +310,7 @@ async def _run_async_client(args: argparse.Namespace, payload: bytes) -> tuple[l
 
 
 def _client(args: argparse.Namespace) -> None:
-    payload = np.random.default_rng(0).integers(0, 256, args.payload_bytes, dtype=np.uint8).tobytes()
+    payload = lookup_payload(args.num_hashes)
     if args.transport == "shm":
         latencies_ns, elapsed_s = _run_shm_client(args, payload)
     else:
@@ -283,13 +320,13 @@ def _client(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shared.cxl.rpc_bench")
+    parser = argparse.ArgumentParser(prog="python -m loadgen.bench.beluga_rpc")
     parser.add_argument("role", choices=("serve", "client"))
     parser.add_argument("--transport", choices=TRANSPORTS, required=True)
     parser.add_argument("--name", default="", help="shm: segment name")
     parser.add_argument("--url", default="", help="nats: server URL")
     parser.add_argument("--namespace", default="", help="nats: bus namespace")
-    parser.add_argument("--payload-bytes", type=int, default=8)
+    parser.add_argument("--num-hashes", type=int, default=1)
     parser.add_argument("--duration-s", type=float, default=2.0)
     parser.add_argument("--out", default="", help="client: where to save the latencies (.npy)")
     args = parser.parse_args(argv)
