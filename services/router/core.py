@@ -253,8 +253,9 @@ class RouterCore:
 
 
 def _observe_stages(timings: dict[str, float]) -> None:
-    """TTFT stages measured by the engine (read, queue, prefill) into the breakdown histogram."""
-    for stage in ("read", "queue", "prefill"):
+    """TTFT stages measured by the engine (read: fetching the stored prefix; import: copying it into the
+    cache during prefill; queue; prefill) into the breakdown histogram."""
+    for stage in ("read", "import", "queue", "prefill"):
         value = timings.get(f"{stage}_s")
         if value is not None:
             metrics.TTFT_STAGE.labels(stage).observe(value)

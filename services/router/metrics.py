@@ -39,7 +39,7 @@ ENGINE_FAILURES = Counter(
 )
 TTFT_STAGE = Histogram(
     "kvpath_router_ttft_stage_seconds",
-    "Time to first token by stage: schedule, allocate (router), read, queue, prefill (PE)",
+    "Time to first token by stage: schedule, allocate (router), read, import, queue, prefill (engine)",
     ["stage"],
     buckets=_LATENCY_BUCKETS,
 )
