@@ -9,6 +9,9 @@
   index      index memory per block and prefix-match latency                       index.py
   transport  KV data plane throughput: shm, tcp, plain socket                      transport.py
   model      model runtime tokens/s next to transformers (timing in gpu/timing.py)  model.py
+  beluga     the KV pool vs a remote pool and NATS: RPC, KV load, serving, simulator beluga.py (beluga_rpc.py,
+                                                                                   beluga_load.py,
+                                                                                   beluga_serve.py)
 
 `register` is the `bench` entry of the `kvpath.commands` entry-point group (pyproject.toml). It imports the
 bench modules only when called, so the processes some benches start with `python -m loadgen.bench.<module>`
@@ -22,9 +25,9 @@ from typing import Any
 
 def register(subparsers: Any) -> None:
     """Add `kvpath bench` and one subcommand per bench module (each module's `register(subparsers)`)."""
-    from loadgen.bench import dualpath, index, model, router, serve, storage, tracing, transport
+    from loadgen.bench import beluga, dualpath, index, model, router, serve, storage, tracing, transport
 
     bench = subparsers.add_parser("bench", help="benchmarks (print numbers)")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for module in (model, transport, storage, index, serve, router, dualpath, tracing):
+    for module in (model, transport, storage, index, serve, router, dualpath, beluga, tracing):
         module.register(bench_sub)

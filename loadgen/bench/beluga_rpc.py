@@ -4,10 +4,10 @@ Both transports serve the same server logic from a server process of their own: 
 handler (`services/cxlpool/core.py`) over a block table holding a committed 64-block chain, answering LOOKUPs
 of the chain's first 1 or 64 hashes (all hits, no pin). Each client is a process of its own making
 back-to-back calls, one in flight (the paper's QD=1 ping-pong), for `duration_s` after a warm-up; every
-client starts on the same "go". Transports: "shm" (`RpcClient.call`), "shm-async" (`RpcClient.acall` on an asyncio loop),
-"nats" (`NatsRpcClient.acall` through a nats-server). RTT percentiles are over every call of every client;
-ops/s is the sum of the clients' rates. `measure_idle_cpu` is the CPU a server with one attached, silent
-client burns (it should sleep on its futex and wake only for housekeeping).
+client starts on the same "go". Transports: "shm" (`RpcClient.call`), "shm-async" (`RpcClient.acall` on
+an asyncio loop), "nats" (`NatsRpcClient.acall` through a nats-server). RTT percentiles are over every
+call of every client; ops/s is the sum of the clients' rates. `measure_idle_cpu` is the CPU a server with
+one attached, silent client burns (it should sleep on its futex and wake only for housekeeping).
 
 Children: `python -m loadgen.bench.beluga_rpc serve|client ...` print one JSON line when ready (and clients
 one with their count when done); a server stops when its stdin closes.

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from loadgen.balance import storage_balance
+from loadgen.bench.scrape import scrape, stage_totals
 from loadgen.config import ReplayConfig
 from loadgen.formats import kvpath, load_trace
 from loadgen.profiles import PROFILES, SynthOptions, synthesize
@@ -182,29 +182,13 @@ async def _sample(http: aiohttp.ClientSession, storage: dict[int, str], samples:
 
 async def _sample_once(http: aiohttp.ClientSession, storage: dict[int, str], samples: list, t: float) -> None:
     for node, url in storage.items():
-        value = (await _metrics(http, url)).get(("kvpath_storage_read_bytes_total", ()), 0.0)
+        value = (await scrape(http, url)).get(("kvpath_storage_read_bytes_total", ()), 0.0)
         samples.append((t, node, value))
 
 
-async def _metrics(http: aiohttp.ClientSession, url: str) -> dict[tuple[str, tuple], float]:
-    async with http.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-        text = await resp.text()
-    out: dict[tuple[str, tuple], float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
 async def _stage_means(http: aiohttp.ClientSession, router_url: str) -> dict[str, float]:
-    metrics = await _metrics(http, router_url)
-    out = {}
-    for stage in STAGES:
-        labels = (("stage", stage),)
-        count = metrics.get(("kvpath_router_ttft_stage_seconds_count", labels), 0.0)
-        total = metrics.get(("kvpath_router_ttft_stage_seconds_sum", labels), 0.0)
-        out[stage] = total / count if count else 0.0
-    return out
+    totals = stage_totals(await scrape(http, router_url), STAGES)
+    return {stage: total / count if count else 0.0 for stage, (total, count) in totals.items()}
 
 
 def _result(

@@ -47,6 +47,9 @@ class KvTier(Protocol):
     def import_layer(self, block_ids: list[int], read: Any, layer: int) -> None:
         """Copy layer `layer` of the leased blocks into cache blocks `block_ids`."""
 
+    def import_blocks(self, block_ids: list[int], read: Any) -> None:
+        """Copy the leased blocks, every layer, into cache blocks `block_ids`."""
+
     def release(self, read: Any) -> None:
         """End the lease (the blocks are in the cache, or the sequence left)."""
 
@@ -69,28 +72,37 @@ class _Record:
 
 
 class LoadHook(LayerHook):
-    """Copies layer l of the loaded prefix (pool part, then storage part) into the cache before layer l
-    computes; the time spent copying is the request's `import_s`."""
+    """Copies the loaded prefix (upper-tier part, then storage part) into the cache: on a GPU layer l right
+    before layer l computes (the copies overlap the compute of the layers before); on the CPU, where
+    nothing overlaps, every layer before layer 0, in one copy per run of whole blocks instead of one per
+    run per layer. The time spent copying is the request's `import_s`."""
 
     def __init__(self, connector: ColocatedConnector, loads: list[tuple[Sequence, int]]) -> None:
         self.connector = connector
         self.loads = loads  # (sequence, loaded blocks)
+        self.per_layer = connector.kv.device != "cpu"
 
     async def before_layer(self, layer: int, seqs: Seq[PrefillSeq]) -> None:
-        started = time.perf_counter()
+        if layer and not self.per_layer:
+            return
         kv, pool = self.connector.kv, self.connector.pool
         for seq, n in self.loads:
+            started = time.perf_counter()
             record: _Record = seq.kv_state
             ids = seq.block_ids[:n]
             pooled = 0
             if record.pool_read is not None and pool is not None:
-                pool.import_layer(ids, record.pool_read, layer)
+                if self.per_layer:
+                    pool.import_layer(ids, record.pool_read, layer)
+                else:
+                    pool.import_blocks(ids, record.pool_read)
                 pooled = record.pool_read.num_blocks
             if record.lease is not None:
-                kv.import_layer(ids[pooled:], layer, record.lease.layer(layer))
-        elapsed = time.perf_counter() - started
-        for seq, _ in self.loads:
-            seq.timings["import_s"] = seq.timings.get("import_s", 0.0) + elapsed
+                if self.per_layer:
+                    kv.import_layer(ids[pooled:], layer, record.lease.layer(layer))
+                else:
+                    kv.import_blocks(ids[pooled:], record.lease.views)
+            seq.timings["import_s"] = seq.timings.get("import_s", 0.0) + time.perf_counter() - started
 
 
 class ColocatedConnector(KvConnector):

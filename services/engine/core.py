@@ -282,7 +282,10 @@ class EngineCore:
     def _emit(self, seq: Sequence, token: int) -> Outgoing:
         """A newly sampled token: its delta, or the last one when it ends the request here."""
         if not seq.output_token_ids:
-            seq.timings["first_token_s"] = time.monotonic() - seq.arrived_at
+            now = time.monotonic()
+            seq.timings["first_token_s"] = now - seq.arrived_at
+            if self.config.role != "decode":  # queued to first token: queueing and the prefill's compute
+                seq.timings["prefill_s"] = now - seq.timings.get("queued_at", seq.arrived_at)
             tracing.first_token(seq, self.config.role)
         spec = self.runner.spec
         emit, reason = check_stop(seq, token, spec.eos_token_ids, spec.max_model_len)
@@ -291,7 +294,6 @@ class EngineCore:
             seq.unsent_token_ids.append(token)
         if reason is None and self.config.role == "prefill":
             reason = "handoff"  # the decode engine takes it from here
-            seq.timings["prefill_s"] = time.monotonic() - seq.timings.get("queued_at", seq.arrived_at)
         return self._finish(seq, reason) if reason else self._delta(seq)
 
     def _fail_plan(self, plan: StepPlan, exc: Exception) -> list[Outgoing]:

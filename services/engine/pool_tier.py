@@ -71,10 +71,13 @@ class PoolTier:
         """Lease the longest prefix of the sequence's first `num_blocks` blocks the pool holds."""
         if num_blocks <= 0:
             return None
+        hashes, client = seq.block_hashes[:num_blocks], self.client
         try:
-            reply = await self.client.lookup(
-                seq.block_hashes[:num_blocks], pin=True, lease_ms=self.lease_ms, timeout_s=CALL_TIMEOUT_S
-            )
+            if client.is_local:  # synchronous: bounded by CALL_TIMEOUT_S, usually well under a millisecond
+                reply = client.lookup_now(hashes, pin=True, lease_ms=self.lease_ms, timeout_s=CALL_TIMEOUT_S)
+            else:
+                lease_ms = self.lease_ms
+                reply = await client.lookup(hashes, pin=True, lease_ms=lease_ms, timeout_s=CALL_TIMEOUT_S)
         except KvpathError as exc:
             metrics.POOL_BLOCKS.labels("error").inc(num_blocks)
             log.warning("pool lookup failed request_id=%s: %s", seq.request_id, exc.message)
@@ -110,6 +113,11 @@ class PoolTier:
         """Layer `layer` of the leased blocks into the cache blocks `block_ids` (one copy per run)."""
         for first, count, blocks in read.runs:
             self.kv.import_layer(block_ids[first : first + count], layer, blocks[:, layer])
+
+    def import_blocks(self, block_ids: list[int], read: PoolRead) -> None:
+        """Every layer of the leased blocks into the cache blocks `block_ids` (one copy per run)."""
+        for first, count, blocks in read.runs:
+            self.kv.import_blocks(block_ids[first : first + count], blocks)
 
     def release(self, read: PoolRead) -> None:
         """End the read's lease (in the background; an expired lease ends by itself)."""

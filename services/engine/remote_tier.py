@@ -192,6 +192,11 @@ class RemoteTier:
         for first, count, blocks in read.runs:
             self.kv.import_layer(block_ids[first : first + count], layer, blocks[:, layer])
 
+    def import_blocks(self, block_ids: list[int], read: RemoteRead) -> None:
+        """Every layer of the leased blocks into the cache blocks `block_ids` (one copy per run)."""
+        for first, count, blocks in read.runs:
+            self.kv.import_blocks(block_ids[first : first + count], blocks)
+
     def release(self, read: RemoteRead | int) -> None:
         """Unpin a read's super blocks (idempotent; takes the read or its lease id)."""
         lease_id = read if isinstance(read, int) else read.lease_id

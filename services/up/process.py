@@ -1,4 +1,5 @@
-"""`kvpath up` in a subprocess: what tests and benchmarks use to get a real cluster and stop it cleanly."""
+"""Real service processes for tests and benchmarks: `kvpath up` in a subprocess (UpProcess), or services
+started one by one against a given nats-server (ServiceProcess, ServiceStack); stopped as a user would."""
 
 from __future__ import annotations
 
@@ -11,11 +12,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shared.natsserver import NatsServer
+from shared.shm import remove_segments
+
 
 class UpProcess:
     """`kvpath up --http-port 0 --ready-file ...` in its own process group, stopped like a user would."""
 
-    def __init__(self, tmp_path: Path, *args: str, timeout_s: float = 180.0) -> None:
+    def __init__(
+        self, tmp_path: Path, *args: str, timeout_s: float = 180.0, model: str | None = "tiny"
+    ) -> None:
+        """`model`: tests and benchmarks serve the fast embedded model unless they name one (here or with
+        `--model` in `args`); None keeps `kvpath up`'s own default (SmolLM2), as the README's commands do."""
+        if model is not None and "--model" not in args:
+            args = ("--model", model, *args)
         self.ready_file = tmp_path / f"ready-{time.monotonic_ns()}.json"
         self.log_path = tmp_path / f"up-{time.monotonic_ns()}.log"
         cmd = [
@@ -70,3 +80,67 @@ class UpProcess:
                 self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
+
+
+class ServiceProcess:
+    """One `kvpath serve <service> ...` process against a given NATS server and namespace."""
+
+    def __init__(
+        self, tmp_path: Path, service: str, *args: str, nats_url: str, namespace: str, service_id: str
+    ) -> None:
+        self.service_id = service_id
+        self.log_path = tmp_path / f"{service_id}.log"
+        env = dict(
+            os.environ,
+            KVPATH_NATS_URL=nats_url,
+            KVPATH_NAMESPACE=namespace,
+            KVPATH_SERVICE_ID=service_id,
+            PYTHONUNBUFFERED="1",
+        )
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve", service, *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-8000:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        return self.proc.returncode
+
+
+class ServiceStack:
+    """Services started one by one in one namespace of one nats-server; `stop()` ends them in reverse and
+    removes the shared-memory segments of any it had to kill."""
+
+    def __init__(self, tmp: Path, nats: NatsServer, namespace: str) -> None:
+        self.tmp, self.nats, self.namespace = tmp, nats, namespace
+        self.procs: list[ServiceProcess] = []
+
+    def start(self, service: str, service_id: str, *args: str) -> ServiceProcess:
+        proc = ServiceProcess(
+            self.tmp, service, *args, nats_url=self.nats.url, namespace=self.namespace, service_id=service_id
+        )
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        remove_segments(f"kvpath-{self.namespace}-")

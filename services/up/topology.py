@@ -101,7 +101,10 @@ def _tier_processes(spec: ClusterSpec, procs: list[ProcessSpec], common: list[st
         )
         return ["--kv-pool", "pool-0"]
     if spec.kv_tier == "remote":
-        procs.append(ProcessSpec("remotekv-0", "remotekv", [*capacity], kind="remotekv"))
+        # the store stands for a remote memory pool: reached over the network (rdma where there is a
+        # device, else tcp), never through this host's shared memory
+        args = [*capacity, "--kv-backends", "rdma,tcp"]
+        procs.append(ProcessSpec("remotekv-0", "remotekv", args, kind="remotekv"))
         return ["--kv-remote", "remotekv-0"]
     return []
 

@@ -30,7 +30,17 @@ def test_help_lists_every_command_and_bench() -> None:
         assert f"    {command} " in top.stdout
     bench = kvpath("bench", "--help")
     assert bench.returncode == 0, bench.stderr
-    for name in ("serve", "router", "dualpath", "tracing", "storage", "index", "transport", "model"):
+    for name in (
+        "serve",
+        "router",
+        "dualpath",
+        "beluga",
+        "tracing",
+        "storage",
+        "index",
+        "transport",
+        "model",
+    ):
         assert f"    {name}" in bench.stdout
 
 

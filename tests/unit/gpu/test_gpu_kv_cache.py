@@ -67,6 +67,34 @@ def test_export_import_round_trip_is_byte_exact(dtype: str) -> None:
     assert cache.tensor[7].contiguous().view(torch.uint8).numpy().tobytes() == data[1].tobytes()
 
 
+@pytest.mark.parametrize(
+    "block_ids",
+    [
+        [4, 5, 6, 7],  # one run: one slice copy
+        [9, 2, 3, 11],  # a few runs: a slice copy each
+        [11, 9, 7, 5, 3, 1, 0, 2, 4, 6, 8, 10],  # scattered past MAX_RUN_COPIES: one index_copy_/select
+        [3, 4, 0],  # a run, then a step back
+    ],
+)
+def test_copies_by_runs_and_by_index_agree(block_ids: list[int]) -> None:
+    assert len(block_ids) <= 12
+    cache = make_cache(num_blocks=12)
+    data = random_blocks(cache, len(block_ids), seed=7)
+    cache.import_blocks(block_ids, data)
+    for i, b in enumerate(block_ids):  # each block landed where its id says, nothing else moved
+        assert cache.tensor[b].contiguous().view(torch.uint8).numpy().tobytes() == data[i].tobytes()
+    untouched = sorted(set(range(12)) - set(block_ids))
+    assert not cache.tensor[untouched].any()
+    layer = np.empty_like(data[:, 1])
+    cache.export_layer(block_ids, 1, layer)
+    assert layer.tobytes() == data[:, 1].tobytes()
+    layer2 = random_blocks(cache, len(block_ids), seed=8)[:, 2]
+    cache.import_layer(block_ids, 2, layer2)
+    out = np.empty_like(data)
+    cache.export_blocks(block_ids, out)
+    assert out[:, 2].tobytes() == layer2.tobytes() and out[:, 0].tobytes() == data[:, 0].tobytes()
+
+
 def test_layer_blocks_are_slices_of_full_blocks() -> None:
     cache = make_cache()
     ids = [4, 2, 10]

@@ -1,0 +1,47 @@
+"""What `kvpath up --kv-tier` starts: the pool or the remote store before the engines, the engine flags that
+use it, the tier's default policy, and a remote store never reached through this host's shared memory."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.up.launcher import register, spec_from_args
+from services.up.topology import cluster_processes
+
+
+def _spec(*argv: str) -> tuple[list, str]:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    spec = spec_from_args(parser.parse_args(["up", *argv]), "/tmp/kv")
+    return cluster_processes(spec), spec.policy
+
+
+def test_pool_tier_starts_the_pool_for_the_engines_model_and_block_size() -> None:
+    procs, policy = _spec("--kv-tier", "pool", "--engines", "2", "--block-size", "32", "--pool-bytes", "4096")
+    names = [p.name for p in procs]
+    pool = procs[names.index("pool-0")]
+    assert pool.service == "cxlpool" and names.index("pool-0") < names.index("engine0-n0")
+    assert pool.args[pool.args.index("--block-size") + 1] == "32"
+    assert pool.args[pool.args.index("--capacity-bytes") + 1] == "4096"
+    engines = [p for p in procs if p.service == "engine"]
+    assert len(engines) == 2 and all(p.args[p.args.index("--kv-pool") + 1] == "pool-0" for p in engines)
+    assert policy == "beluga"
+
+
+def test_remote_tier_store_is_reached_over_the_network() -> None:
+    procs, policy = _spec("--kv-tier", "remote")
+    store = next(p for p in procs if p.service == "remotekv")
+    backends = store.args[store.args.index("--kv-backends") + 1].split(",")
+    assert "shm" not in backends and "tcp" in backends
+    engine = next(p for p in procs if p.service == "engine")
+    assert engine.args[engine.args.index("--kv-remote") + 1] == "remotekv-0"
+    assert policy == "cache-aware"
+
+
+def test_tiers_need_colocated_engines_and_a_store() -> None:
+    with pytest.raises(SystemExit, match="colocated engines with a KV store"):
+        _spec("--kv-tier", "pool", "--no-kv-store")
+    with pytest.raises(SystemExit, match="colocated engines with a KV store"):
+        _spec("--kv-tier", "remote", "--prefill-nodes", "1", "--decode-nodes", "1", "--policy", "dualpath")
