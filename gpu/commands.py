@@ -19,8 +19,14 @@ from shared.errors import InvalidRequestError, KvpathError
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("generate", help="offline generation with the model runtime (smoke test)")
-    parser.add_argument("--model", required=True, help="embedded model (tiny, tiny-mla) or an HF folder")
+    parser = subparsers.add_parser(
+        "generate",
+        help="offline generation with the model runtime (smoke test)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--model", required=True, help="smollm2, tiny, tiny-mla, an HF checkpoint folder or a .gguf file"
+    )
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")

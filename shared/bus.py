@@ -77,6 +77,7 @@ class Bus:
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.is_connected = asyncio.Event()
+        self._is_closing = False  # our own close: the disconnect it causes is no news
 
     # ------------------------------------------------------------------------------------ connection
 
@@ -87,7 +88,8 @@ class Bus:
 
         async def on_disconnected() -> None:
             self.is_connected.clear()
-            log.warning("bus disconnected name=%s", self.name)
+            if not self._is_closing:
+                log.warning("bus disconnected name=%s", self.name)
 
         async def on_reconnected() -> None:
             self.is_connected.set()
@@ -134,6 +136,7 @@ class Bus:
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Unsubscribe, let in-flight handlers finish within the deadline, drain the connection."""
+        self._is_closing = True
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

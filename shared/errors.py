@@ -50,6 +50,7 @@ class ContextLengthExceededError(InvalidRequestError):
 
 class ModelNotFoundError(InvalidRequestError):
     code = "model_not_found"
+    http_status = 404  # as OpenAI answers an unknown model
 
 
 class OverloadedError(KvpathError):

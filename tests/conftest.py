@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from shared.natsserver import NatsServer
+from tests.reference import SmolLM2Reference
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +32,10 @@ def private_nats(tmp_path) -> Iterator[NatsServer]:
 @pytest.fixture
 def namespace() -> str:
     return "t" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference() -> SmolLM2Reference:
+    """transformers loading SmolLM2's GGUF file with its own loader (about 10 s, once per session): the
+    reference kvpath's tokens and logprobs are checked against, in-process and through the API."""
+    return SmolLM2Reference()

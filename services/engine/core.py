@@ -14,12 +14,14 @@ import logging
 import time
 from typing import Any
 
-from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq, SamplingOptions
+from gpu.grammar import GrammarCompiler
+from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq
 from services.engine import metrics, tracing
 from services.engine.admission import check_kv_plan, check_prompt
 from services.engine.config import EngineConfig
 from services.engine.connector import KvConnector, NullConnector
 from services.engine.outbox import Outgoing, Publish, TokenOutbox
+from services.engine.sampling import sampling_options
 from services.engine.scheduler import EngineScheduler, PrefillChunk, StepPlan
 from services.engine.sequence import SeqStatus, Sequence
 from services.engine.stopping import check_stop
@@ -72,6 +74,7 @@ class EngineCore:
         # DualPath's beta (tokens a PE processes in beta_s) counts whole prompts, as the paper's len_r does
         self.prefill_rate = RateMeter()
         self.outbox = TokenOutbox(engine_id, publish)
+        self.grammars = GrammarCompiler(runner.tokenizer)
         self.is_draining = False
 
     # ------------------------------------------------------------------------------------- admission
@@ -108,7 +111,11 @@ class EngineCore:
             num_kv_blocks=self.runner.kv.num_blocks,
         )
         check_kv_plan(plan, block_size=self.runner.block_size, seed=self._seed)
-        return Sequence(plan=plan, arrived_at=time.monotonic())
+        seq = Sequence(plan=plan, arrived_at=time.monotonic())
+        sampling_options(seq).check(spec.vocab_size)  # a bad parameter refuses this task, never fails a batch
+        if plan.sampling.grammar:
+            seq.grammar = self.grammars.compile(plan.sampling.grammar)
+        return seq
 
     def start(self, seq: Sequence) -> None:
         """Take the admitted sequence: let the connector load its external KV, then schedule it."""
@@ -210,7 +217,7 @@ class EngineCore:
                 num_cached_tokens=c.start,
                 token_ids=c.seq.token_ids(c.start, c.start + c.num_tokens),
                 sample=c.sample,
-                sampling=_sampling(c.seq),
+                sampling=sampling_options(c.seq),
                 banned_token_ids=self._banned(c.seq),
             )
             for c in computed
@@ -236,7 +243,7 @@ class EngineCore:
                 block_ids=s.block_ids,
                 num_cached_tokens=s.num_computed_tokens,
                 token_id=s.output_token_ids[-1],
-                sampling=_sampling(s),
+                sampling=sampling_options(s),
                 banned_token_ids=self._banned(s),
             )
             for s in seqs
@@ -289,9 +296,14 @@ class EngineCore:
             tracing.first_token(seq, self.config.role)
         spec = self.runner.spec
         emit, reason = check_stop(seq, token, spec.eos_token_ids, spec.max_model_len)
+        logprobs = seq.sampled_logprobs.pop() if seq.sampled_logprobs else None
         if emit:
             seq.output_token_ids.append(token)
             seq.unsent_token_ids.append(token)
+            if logprobs is not None:
+                seq.unsent_logprobs.append(logprobs)
+        if reason is None and seq.grammar is not None and seq.grammar.is_stopped:
+            reason = "stop"  # the grammar is complete: nothing but EOS could follow
         if reason is None and self.config.role == "prefill":
             reason = "handoff"  # the decode engine takes it from here
         return self._finish(seq, reason) if reason else self._delta(seq)
@@ -342,7 +354,9 @@ class EngineCore:
             token_ids=seq.unsent_token_ids,
             finish_reason=None if finish == "handoff" else finish,
             handoff=finish == "handoff",
+            logprobs=seq.unsent_logprobs,
         )
+        seq.unsent_logprobs = []
         if seq.next_delta_seq == 0:
             delta.prompt_tokens = seq.num_prompt_tokens
             delta.cached_tokens = seq.num_cached_tokens
@@ -371,11 +385,6 @@ class EngineCore:
             "total_kv_blocks": self.runner.kv.num_blocks,
             "rates": {"prefill_tokens_per_s": self.prefill_rate.value},
         }
-
-
-def _sampling(seq: Sequence) -> SamplingOptions:
-    s = seq.sampling
-    return SamplingOptions(temperature=s.temperature, top_p=s.top_p, generator=seq.rng)
 
 
 def quota_planner(config: EngineConfig, runner: ModelRunner) -> QuotaPlanner | None:

@@ -49,6 +49,9 @@ class Sequence:
     num_preemptions: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     rng: random.Random | None = None  # the seeded request's sampling generator
+    grammar: Any = None  # gpu.grammar.GrammarState of a constrained request (response_format, forced tools)
+    sampled_logprobs: list[Any] = field(default_factory=list)  # the sampler's entry for the last token
+    unsent_logprobs: list[Any] = field(default_factory=list)  # entries of unsent_token_ids, in order
     prepare_task: asyncio.Task[None] | None = None  # the connector's prefix fetch, until it is done
     final_wait: Awaitable[None] | None = None  # the last delta goes out once this is done (blocks durable)
     kv_state: Any = None  # the KV connector's record of the request; only the connector reads it

@@ -1,16 +1,16 @@
-"""OpenAI-compatible HTTP API on aiohttp: completions and chat (JSON or SSE), models.
+"""OpenAI-compatible HTTP API on aiohttp: completions and chat (JSON or SSE), models, tokenizer endpoints.
 
 SSE framing is OpenAI's: `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` at the end; with
 `stream_options.include_usage` a last chunk with empty `choices` carries `usage` (with
 `prompt_tokens_details.cached_tokens`). Errors before the first byte are plain HTTP errors in OpenAI's body
-format; errors after it are an `error` event followed by `[DONE]`.
+format; errors after it are an `error` event followed by `[DONE]`. A request with `n` choices runs as `n`
+engine requests (seeds `seed + i`), merged into one response.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,15 +18,16 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from services.router import metrics
+from services.router import metrics, tokenize_api
+from services.router.choices import merged_pieces
 from services.router.core import Piece, RouterCore, Usage
 from services.router.prompts import PreparedPrompt, prepare_prompt
+from services.router.render import RenderOptions, ResponseRenderer
 from services.router.requests import GenerationRequest, parse_chat, parse_completion, session_header
 from shared.errors import InvalidRequestError, KvpathError, ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
-_NO_FINISH = b',"logprobs":null,"finish_reason":null'
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -40,6 +41,7 @@ class ApiContext:
     max_tokens_limit: int
     retry_after_s: int
     created: int
+    grammars: Any = None  # gpu.grammar.GrammarCompiler of the tokenizer (validates request grammars)
 
 
 API_CONTEXT = web.AppKey("api_context", ApiContext)
@@ -60,23 +62,38 @@ def add_api_routes(app: web.Application, ctx: ApiContext) -> None:
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model_id:.+}", _model)
+    tokenize_api.add_routes(app, lambda request: request.app[API_CONTEXT])
+
+
+def _model_card(ctx: ApiContext) -> dict[str, Any]:
+    return {
+        "id": ctx.model_name,
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "kvpath",
+        "max_model_len": ctx.max_model_len,
+    }
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status, dumps=lambda o: orjson.dumps(o).decode())
 
 
 async def _models(request: web.Request) -> web.Response:
+    return _json({"object": "list", "data": [_model_card(request.app[API_CONTEXT])]})
+
+
+async def _model(request: web.Request) -> web.Response:
     ctx = request.app[API_CONTEXT]
-    body = {
-        "object": "list",
-        "data": [
-            {
-                "id": ctx.model_name,
-                "object": "model",
-                "created": ctx.created,
-                "owned_by": "kvpath",
-                "max_model_len": ctx.max_model_len,
-            }
-        ],
-    }
-    return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
+    model_id = request.match_info["model_id"]
+    if model_id != ctx.model_name:
+        return error_response(
+            ModelNotFoundError(
+                f"The model '{model_id}' does not exist; this server serves '{ctx.model_name}'"
+            )
+        )
+    return _json(_model_card(ctx))
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -94,23 +111,22 @@ async def _serve(request: web.Request, parse: Callable[[Any, str], GenerationReq
     except KvpathError as exc:
         metrics.REQUESTS.labels("?", exc.code).inc()
         return error_response(exc, ctx.retry_after_s)
-    endpoint = prompt.request.endpoint
-    request_id = ctx.core.new_request_id(endpoint)
-    usage = Usage()
-    pieces = ctx.core.generate(prompt, request_id, usage)
-    renderer = _Renderer(
-        endpoint,
-        request_id,
-        ctx.model_name,
-        prompt.request.include_usage,
-        prompt.token_ids if prompt.request.return_token_ids else None,
-    )
+    req = prompt.request
+    request_id = ctx.core.new_request_id(req.endpoint)
+    usages = [Usage() for _ in range(req.n)]
+    ids = [request_id] + [f"{request_id}-{i}" for i in range(1, req.n)]
+    generators = [ctx.core.generate(prompt, ids[i], usages[i], i) for i in range(req.n)]
+    renderer = ResponseRenderer(_render_options(ctx, prompt, request_id))
     outcome = "ok"
     try:
-        async with contextlib.aclosing(pieces):
-            if prompt.request.stream:
-                return await _stream(request, pieces, renderer, usage, ctx)
-            return await _collect(pieces, renderer, usage)
+        async with contextlib.AsyncExitStack() as stack:
+            for generator in generators:
+                await stack.enter_async_context(contextlib.aclosing(generator))
+            pieces = merged_pieces(generators)
+            await stack.enter_async_context(contextlib.aclosing(pieces))
+            if req.stream:
+                return await _stream(request, pieces, renderer, usages, ctx)
+            return await _collect(pieces, renderer, usages)
     except KvpathError as exc:
         outcome = exc.code
         return error_response(exc, ctx.retry_after_s)
@@ -118,9 +134,40 @@ async def _serve(request: web.Request, parse: Callable[[Any, str], GenerationReq
         outcome = "cancelled"
         raise
     finally:
-        metrics.REQUESTS.labels(endpoint, outcome).inc()
-        metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
-        metrics.CACHED_TOKENS.inc(usage.cached_tokens)
+        total = _total(usages)
+        metrics.REQUESTS.labels(req.endpoint, outcome).inc()
+        metrics.PROMPT_TOKENS.inc(total.prompt_tokens)
+        metrics.CACHED_TOKENS.inc(total.cached_tokens)
+
+
+def _render_options(ctx: ApiContext, prompt: PreparedPrompt, request_id: str) -> RenderOptions:
+    req = prompt.request
+    echo = ""
+    if req.echo:
+        echo = req.prompt_text if req.prompt_text is not None else ctx.tokenizer.decode(prompt.token_ids)
+    return RenderOptions(
+        endpoint=req.endpoint,
+        request_id=request_id,
+        model=ctx.model_name,
+        n=req.n,
+        include_usage=req.include_usage,
+        prompt_token_ids=prompt.token_ids if req.return_token_ids else None,
+        tokenizer=ctx.tokenizer,
+        wants_logprobs=req.logprobs >= 0,
+        parses_tool_calls=prompt.parses_tool_calls,
+        is_tool_forced=req.tools is not None and req.tools.is_forced,
+        echo=echo,
+    )
+
+
+def _total(usages: list[Usage]) -> Usage:
+    """One prompt, n completions: the prompt counted once (choice 0's), completions summed."""
+    first = usages[0]
+    return Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=first.cached_tokens,
+    )
 
 
 async def _json_body(request: web.Request) -> Any:
@@ -131,34 +178,39 @@ async def _json_body(request: web.Request) -> Any:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}", param="body") from None
 
 
-def _prepare(ctx: ApiContext, req: GenerationRequest) -> PreparedPrompt:
-    if req.model != ctx.model_name:
+def check_model(ctx: ApiContext, model: str) -> None:
+    if model != ctx.model_name:
         raise ModelNotFoundError(
-            f"The model '{req.model}' does not exist; this server serves '{ctx.model_name}'", param="model"
+            f"The model '{model}' does not exist; this server serves '{ctx.model_name}'", param="model"
         )
+
+
+def _prepare(ctx: ApiContext, req: GenerationRequest) -> PreparedPrompt:
+    check_model(ctx, req.model)
     return prepare_prompt(
         req,
         ctx.tokenizer,
         max_model_len=ctx.max_model_len,
         vocab_size=ctx.vocab_size,
         max_tokens_limit=ctx.max_tokens_limit,
+        grammars=ctx.grammars,
     )
 
 
-async def _collect(pieces: AsyncIterator[Piece], renderer: _Renderer, usage: Usage) -> web.Response:
-    parts: list[str] = []
-    token_ids: list[int] = []
-    finish: str | None = None
-    async for piece in pieces:
-        parts.append(piece.text)
-        token_ids += piece.token_ids
-        finish = piece.finish_reason or finish
-    body = renderer.final("".join(parts), finish or "stop", usage, token_ids)
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
+async def _collect(
+    pieces: AsyncIterator[tuple[int, Piece]], renderer: ResponseRenderer, usages: list[Usage]
+) -> web.Response:
+    async for index, piece in pieces:
+        renderer.add_piece(index, piece)
+    return web.Response(body=orjson.dumps(renderer.final(_total(usages))), content_type="application/json")
 
 
 async def _stream(
-    request: web.Request, pieces: AsyncIterator[Piece], renderer: _Renderer, usage: Usage, ctx: ApiContext
+    request: web.Request,
+    pieces: AsyncIterator[tuple[int, Piece]],
+    renderer: ResponseRenderer,
+    usages: list[Usage],
+    ctx: ApiContext,
 ) -> web.StreamResponse:
     # the first piece comes before the headers, so dispatch errors are still plain HTTP errors
     first = await anext(pieces, None)
@@ -166,135 +218,18 @@ async def _stream(
     await response.prepare(request)
     write: Callable[[bytes], Awaitable[None]] = response.write
     try:
-        if renderer.endpoint == "chat":
-            await write(renderer.sse(renderer.chunk("", None, [], role=True)))
-        piece = first
-        while piece is not None:
-            if piece.text or piece.finish_reason is not None or renderer.wants_token_ids(piece.token_ids):
-                await write(renderer.chunk_sse(piece.text, piece.finish_reason, piece.token_ids))
-            piece = await anext(pieces, None)
-        if renderer.include_usage:
-            await write(renderer.sse(renderer.usage_chunk(usage)))
+        for chunk in renderer.first_chunks():
+            await write(chunk)
+        item = first
+        while item is not None:
+            for chunk in renderer.piece_chunks(*item):
+                await write(chunk)
+            item = await anext(pieces, None)
+        if renderer.o.include_usage:
+            await write(renderer.usage_chunk(_total(usages)))
     except KvpathError as exc:
-        log.warning("stream failed request_id=%s code=%s: %s", renderer.request_id, exc.code, exc.message)
+        log.warning("stream failed request_id=%s code=%s: %s", renderer.o.request_id, exc.code, exc.message)
         await write(renderer.sse(exc.to_openai_body()))
     await write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
-
-
-class _Renderer:
-    """Builds OpenAI response objects for one request."""
-
-    __slots__ = (
-        "_chunk_head",
-        "_chunk_tail",
-        "created",
-        "endpoint",
-        "has_sent_prompt_ids",
-        "include_usage",
-        "model",
-        "prompt_token_ids",
-        "request_id",
-    )
-
-    def __init__(
-        self,
-        endpoint: str,
-        request_id: str,
-        model: str,
-        include_usage: bool,
-        prompt_token_ids: list[int] | None = None,
-    ) -> None:
-        self.endpoint = endpoint
-        self.request_id = request_id
-        self.model = model
-        self.include_usage = include_usage
-        self.prompt_token_ids = prompt_token_ids  # set when the client asked for token ids
-        self.has_sent_prompt_ids = False
-        self.created = int(time.time())
-        # constant parts of every middle chunk's SSE bytes (see chunk_sse)
-        obj_type = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
-        envelope = orjson.dumps(self._envelope(obj_type))[:-1]  # without the closing brace
-        self._chunk_head = b"data: " + envelope + b',"choices":[{"index":0,'
-        self._chunk_tail = b"}]" + (b',"usage":null' if include_usage else b"") + b"}\n\n"
-
-    def wants_token_ids(self, token_ids: list[int]) -> bool:
-        return self.prompt_token_ids is not None and bool(token_ids)
-
-    @staticmethod
-    def sse(obj: dict[str, Any]) -> bytes:
-        return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-    def chunk_sse(self, text: str, finish_reason: str | None, token_ids: list[int]) -> bytes:
-        """`sse(chunk(text, finish_reason, token_ids))`; the same bytes, built from the constant parts for a
-        middle chunk (no finish reason, prompt ids already sent): the per-token hot path."""
-        if finish_reason is not None or (self.prompt_token_ids is not None and not self.has_sent_prompt_ids):
-            return self.sse(self.chunk(text, finish_reason, token_ids))
-        if self.endpoint == "chat":
-            body = b'"delta":{"content":' + orjson.dumps(text) + b"}" if text else b'"delta":{}'
-        else:
-            body = b'"text":' + orjson.dumps(text)
-        ids = b',"token_ids":' + orjson.dumps(token_ids) if self.prompt_token_ids is not None else b""
-        return b"".join((self._chunk_head, body, _NO_FINISH, ids, self._chunk_tail))
-
-    def _envelope(self, obj_type: str) -> dict[str, Any]:
-        return {"id": self.request_id, "object": obj_type, "created": self.created, "model": self.model}
-
-    def chunk(
-        self, text: str, finish_reason: str | None, token_ids: list[int], *, role: bool = False
-    ) -> dict[str, Any]:
-        if self.endpoint == "chat":
-            out = self._envelope("chat.completion.chunk")
-            delta: dict[str, Any] = (
-                {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-            )
-            out["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-        else:
-            out = self._envelope("text_completion")
-            out["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
-        self._add_token_ids(out, token_ids, first=role or self.endpoint != "chat")
-        if self.include_usage:
-            out["usage"] = None
-        return out
-
-    def _add_token_ids(self, out: dict[str, Any], token_ids: list[int], *, first: bool) -> None:
-        if self.prompt_token_ids is None:
-            return
-        out["choices"][0]["token_ids"] = token_ids
-        if first and not self.has_sent_prompt_ids:
-            out["prompt_token_ids"] = self.prompt_token_ids
-            self.has_sent_prompt_ids = True  # once per response
-
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        out = self._envelope("chat.completion.chunk" if self.endpoint == "chat" else "text_completion")
-        out["choices"] = []
-        out["usage"] = usage_body(usage)
-        return out
-
-    def final(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int]) -> dict[str, Any]:
-        if self.endpoint == "chat":
-            out = self._envelope("chat.completion")
-            out["choices"] = [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": finish_reason,
-                }
-            ]
-        else:
-            out = self._envelope("text_completion")
-            out["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
-        self._add_token_ids(out, token_ids, first=True)
-        out["usage"] = usage_body(usage)
-        return out
-
-
-def usage_body(usage: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }

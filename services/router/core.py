@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.policy.colocated import COLOCATED_POLICIES
 from services.router import metrics
@@ -47,6 +48,7 @@ class Piece:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[Any] = field(default_factory=list)  # per token [logprob, top ids, top logprobs]
 
 
 @dataclass(slots=True)
@@ -113,8 +115,11 @@ class RouterCore:
         log.debug("request accepted request_id=%s endpoint=%s", request_id, endpoint)
         return request_id
 
-    async def generate(self, prompt: PreparedPrompt, request_id: str, usage: Usage) -> AsyncGenerator[Piece]:
-        """Dispatch and stream. The caller must exhaust or close the iterator (closing aborts the request)."""
+    async def generate(
+        self, prompt: PreparedPrompt, request_id: str, usage: Usage, choice: int = 0
+    ) -> AsyncGenerator[Piece]:
+        """Dispatch and stream. The caller must exhaust or close the iterator (closing aborts the request).
+        `choice`: which of the request's n samples (its seed is the request's plus `choice`)."""
         if self.inflight >= self.config.max_inflight_requests:
             raise OverloadedError(f"router has {self.inflight} requests in flight; retry later")
         started = time.monotonic()
@@ -125,7 +130,7 @@ class RouterCore:
         stream: RequestStream | None = None
         is_finished = False
         try:
-            plan, locality = await self._plan(prompt, request_id, deadline)
+            plan, locality = await self._plan(prompt, request_id, deadline, choice)
             # open before dispatch: the first tokens may arrive before the ack
             stream = self.streams.open(request_id)
             usage.timings.update(await self.dispatch.dispatch(plan, deadline, self.streams, locality))
@@ -157,22 +162,13 @@ class RouterCore:
                 await publish_abort(self.bus, request_id, "client gone or request failed")
 
     async def _plan(
-        self, prompt: PreparedPrompt, request_id: str, deadline: float
+        self, prompt: PreparedPrompt, request_id: str, deadline: float, choice: int
     ) -> tuple[RequestPlan, Mapping[str, int]]:
         """The request's plan, built once (every task kind carries it as it is), and where its prefix lies."""
         kv_format = self.engines.kv_format
         if kv_format is None:
             raise NoEngineAvailableError("no engine has reported yet")
-        req = prompt.request
-        sampling = SamplingParams(
-            max_tokens=prompt.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            seed=req.seed,
-            ignore_eos=req.ignore_eos,
-            min_tokens=min(req.min_tokens, prompt.max_tokens),
-            stop_token_ids=req.stop_token_ids,
-        )
+        sampling = sampling_params(prompt, choice)
         planned = await self.kv_planner.plan(prompt.token_ids, kv_format, request_id)
         plan = RequestPlan(
             request_id=request_id,
@@ -180,7 +176,7 @@ class RouterCore:
             prompt_token_ids=prompt.token_ids,
             sampling=sampling,
             deadline_unix_s=time.time() + (deadline - time.monotonic()),
-            session_id=req.session_id,
+            session_id=prompt.request.session_id,
             kv=planned.kv,
         )
         return plan, planned.blocks_by_location
@@ -215,16 +211,17 @@ class RouterCore:
                 raise error_from_code(
                     last.error_code or "engine_failed", last.error_message or "engine error"
                 )
+            logprobs = [lp for d in deltas for lp in d.logprobs]
             text, hit_stop = stops.feed(decoder.push(token_ids))
             if hit_stop:
-                yield Piece(text, token_ids, "stop")
+                yield Piece(text, token_ids, "stop", logprobs)
                 return
             if finish is not None:
                 text += stops.feed(decoder.flush())[0] + stops.flush()
                 metrics.E2E.observe(now - started)
-                yield Piece(text, token_ids, finish)
+                yield Piece(text, token_ids, finish, logprobs)
                 return
-            yield Piece(text, token_ids)
+            yield Piece(text, token_ids, None, logprobs)
 
     async def _next_deltas(self, stream: RequestStream, deadline: float) -> list[TokenDelta]:
         """Wait for the next delta, then take every delta already queued (coalescing a slow reader).
@@ -250,6 +247,29 @@ class RouterCore:
 
     def _deadline_error(self) -> DeadlineExceededError:
         return DeadlineExceededError(f"request exceeded its {self.config.request_deadline_s:.0f}s deadline")
+
+
+def sampling_params(prompt: PreparedPrompt, choice: int = 0) -> SamplingParams:
+    """What the engines sample with; choice i of n gets the seed plus i (distinct and reproducible)."""
+    req = prompt.request
+    return SamplingParams(
+        max_tokens=prompt.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=None if req.seed is None else req.seed + choice,
+        ignore_eos=req.ignore_eos,
+        min_tokens=min(req.min_tokens, prompt.max_tokens),
+        stop_token_ids=req.stop_token_ids,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias_ids=list(req.logit_bias),
+        logit_bias_values=list(req.logit_bias.values()),
+        logprobs=req.logprobs,
+        grammar=prompt.grammar,
+    )
 
 
 def _observe_stages(timings: dict[str, float]) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gpu.grammar import json_object_grammar, json_schema_grammar
 from services.router.requests import GenerationRequest
+from services.router.tools import template_messages, tool_grammar
 from shared.errors import ContextLengthExceededError, InvalidRequestError
 
 
@@ -15,14 +17,46 @@ class PreparedPrompt:
     token_ids: list[int]
     max_tokens: int
     tokenizer: Any  # gpu.tokenizer.Tokenizer
+    grammar: str = ""  # llguidance grammar the output must match (response_format, tool calls)
+    parses_tool_calls: bool = False  # the output may hold tool calls (tools given, tool_choice not none)
+
+
+def _chat_ids(req: GenerationRequest, tokenizer: Any) -> list[int]:
+    assert req.messages is not None
+    messages, tools = template_messages(req.messages, req.tools, tokenizer.template_renders_tools)
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools))
+
+
+def _grammar(req: GenerationRequest, grammars: Any) -> str:
+    """The request's grammar, validated against the tokenizer (a bad schema is this request's 400)."""
+    if req.tools is not None and req.tools.can_call:
+        grammar = tool_grammar(req.tools) or ""
+        param = "tools"
+    elif req.response_format is not None:
+        param = "response_format"
+        if req.response_format["type"] == "json_object":
+            grammar = json_object_grammar()
+        else:
+            grammar = json_schema_grammar(req.response_format["json_schema"].get("schema", {}), param)
+    else:
+        return ""
+    if grammars is not None and grammar:
+        grammars.validate(grammar, param)
+    return grammar
 
 
 def prepare_prompt(
-    req: GenerationRequest, tokenizer: Any, *, max_model_len: int, vocab_size: int, max_tokens_limit: int
+    req: GenerationRequest,
+    tokenizer: Any,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    max_tokens_limit: int,
+    grammars: Any = None,
 ) -> PreparedPrompt:
+    """`grammars`: the router's gpu.grammar.GrammarCompiler (None: grammars are not validated here)."""
     if req.endpoint == "chat":
-        assert req.messages is not None
-        token_ids = list(tokenizer.apply_chat_template(req.messages, add_generation_prompt=True))
+        token_ids = _chat_ids(req, tokenizer)
     elif req.prompt_token_ids is not None:
         token_ids = req.prompt_token_ids
         if any(t >= vocab_size for t in token_ids):
@@ -59,4 +93,15 @@ def prepare_prompt(
         raise InvalidRequestError(
             f"'min_tokens' ({req.min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens"
         )
-    return PreparedPrompt(request=req, token_ids=token_ids, max_tokens=max_tokens, tokenizer=tokenizer)
+    if any(t >= vocab_size for t in req.logit_bias):
+        raise InvalidRequestError(
+            f"'logit_bias' names token ids outside the vocabulary (size {vocab_size})", param="logit_bias"
+        )
+    return PreparedPrompt(
+        request=req,
+        token_ids=token_ids,
+        max_tokens=max_tokens,
+        tokenizer=tokenizer,
+        grammar=_grammar(req, grammars),
+        parses_tool_calls=req.tools is not None and req.tools.can_call,
+    )

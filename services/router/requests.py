@@ -10,23 +10,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.router.tools import ToolSpec, parse_tools, tool_fields
 from shared.errors import InvalidRequestError
 
 MAX_STOP_SEQUENCES = 4
 _SESSION_HEADER = "X-Session-Id"
 
+MAX_N = 16  # choices per request
+MAX_LOGPROBS = 20
+
 # Parameters OpenAI defines that kvpath does not implement: accepted only at their neutral value.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
-    "best_of": (None, 1),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "response_format": (None, {"type": "text"}),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
 }
 
 
@@ -51,6 +51,17 @@ class GenerationRequest:
     include_usage: bool = False
     return_token_ids: bool = False  # extension: prompt and output token ids in the response
     session_id: str = ""
+    n: int = 1  # choices
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int = -1  # -1: none; k: each token's log-probability and the top k alternatives
+    echo: bool = False  # completions: the prompt's text before the completion
+    tools: ToolSpec | None = None  # chat: the functions the model may call, and how
+    response_format: dict[str, Any] | None = None  # {"type": "json_object" | "json_schema", ...}
 
 
 def _bad(message: str, param: str) -> InvalidRequestError:
@@ -115,9 +126,12 @@ def _common(body: dict[str, Any], endpoint: str, session_id: str) -> GenerationR
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("'model' is required and must be a string", "model")
-    n = _int(body, "n", 1)
-    if n != 1:
-        raise _bad(f"only n=1 is supported, got n={n}", "n")
+    n = _int(body, "n", 1, lo=1) or 1
+    if n > MAX_N:
+        raise _bad(f"'n' must be <= {MAX_N}, got {n}", "n")
+    best_of = _int(body, "best_of", None)
+    if best_of is not None and best_of != n:
+        raise _bad("'best_of' is not supported (only best_of equal to n)", "best_of")
     for name, neutral in _NEUTRAL.items():
         if name in body and body[name] not in neutral:
             raise _bad(f"'{name}' is not supported by this server", name)
@@ -152,13 +166,80 @@ def _common(body: dict[str, Any], endpoint: str, session_id: str) -> GenerationR
         include_usage=bool(options and _bool(options, "include_usage")),
         return_token_ids=_bool(body, "return_token_ids"),
         session_id=session_id or (user or ""),
+        n=n,
+        top_k=_top_k(body),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=_repetition_penalty(body),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body),
+        response_format=_response_format(body),
     )
+
+
+def _top_k(body: dict[str, Any]) -> int:
+    top_k = _int(body, "top_k", 0)
+    if top_k is not None and top_k < -1:
+        raise _bad(f"'top_k' must be -1 (no limit), 0 (no limit) or positive, got {top_k}", "top_k")
+    return max(top_k or 0, 0)
+
+
+def _repetition_penalty(body: dict[str, Any]) -> float:
+    value = _number(body, "repetition_penalty", 1.0, 0.0, 10.0)
+    if value <= 0:
+        raise _bad("'repetition_penalty' must be > 0", "repetition_penalty")
+    return value
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > 300:
+        raise _bad("'logit_bias' must be an object of at most 300 token ids", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise _bad(f"'logit_bias' key {key!r} is not a token id", "logit_bias") from None
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise _bad(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r}", "logit_bias")
+        if token < 0:
+            raise _bad(f"'logit_bias' key {key!r} is not a token id", "logit_bias")
+        out[token] = float(bias)
+    return out
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return value
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict | bool):
+            raise _bad("'response_format.json_schema.schema' must be a JSON schema", "response_format")
+        return value
+    raise _bad("'response_format.type' must be text, json_object or json_schema", "response_format")
 
 
 def parse_completion(body: Any, session_id: str = "") -> GenerationRequest:
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object", "body")
     req = _common(body, "completions", session_id)
+    logprobs = _int(body, "logprobs", None, lo=0)
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise _bad(f"'logprobs' must be <= {MAX_LOGPROBS}, got {logprobs}", "logprobs")
+    req.logprobs = -1 if logprobs is None else logprobs
+    req.echo = _bool(body, "echo")
+    if req.echo and req.logprobs >= 0:
+        raise _bad("'echo' with 'logprobs' (prompt log-probabilities) is not supported", "echo")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -181,6 +262,12 @@ def parse_chat(body: Any, session_id: str = "") -> GenerationRequest:
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list", "messages")
     req.messages = [_message(m, i) for i, m in enumerate(messages)]
+    wants_logprobs = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", None, lo=0)
+    if top is not None and (top > MAX_LOGPROBS or not wants_logprobs):
+        raise _bad(f"'top_logprobs' must be <= {MAX_LOGPROBS} and needs 'logprobs': true", "top_logprobs")
+    req.logprobs = (top or 0) if wants_logprobs else -1
+    req.tools = parse_tools(body)
     return req
 
 
@@ -210,7 +297,9 @@ def _message(msg: Any, index: int) -> dict[str, Any]:
         content = ""
     if not isinstance(content, str):
         raise _bad(f"{param}.content must be a string or a list of text parts", f"{param}.content")
-    return {"role": "system" if role == "developer" else role, "content": content}
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+    out.update(tool_fields(msg, role, param))
+    return out
 
 
 def session_header(headers: Any) -> str:

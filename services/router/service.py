@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gpu.grammar import GrammarCompiler
 from services.router import handlers
 from services.router.api import ApiContext, add_api_routes
 from services.router.config import RouterConfig
@@ -50,6 +51,7 @@ class RouterService(Service):
                 max_tokens_limit=self.config.max_tokens_limit,
                 retry_after_s=self.config.retry_after_s,
                 created=int(self.started_at),
+                grammars=GrammarCompiler(self.tokenizer),
             ),
         )
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import aiohttp
 
+from gpu.model_spec import DEFAULT_MODEL, EMBEDDED_MODELS, PACKAGED_MODELS
 from services.policy.colocated import BELUGA, CACHE_AWARE, COLOCATED, COLOCATED_POLICIES
 from services.up.topology import ClusterSpec, ProcessSpec, cluster_processes
 from shared.bus import Bus, Registry
@@ -40,12 +41,21 @@ log = logging.getLogger("kvpath.up")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("up", help="start a local cluster (NATS + every service) in the foreground")
+    p = subparsers.add_parser(
+        "up",
+        help="start a local cluster (NATS + every service) in the foreground",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--nats-url", default="", help="use this NATS server instead of starting one")
     p.add_argument("--namespace", default="", help="bus namespace (default: a fresh one per run)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address of the API")
-    p.add_argument("--http-port", type=int, default=8000, help="API port (0 picks a free one)")
-    p.add_argument("--model", default="tiny", help="model name (tiny, tiny-mla) or HF checkpoint directory")
+    p.add_argument("--http-port", "--port", type=int, default=8000, help="API port (0 picks a free one)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"model: {', '.join((*PACKAGED_MODELS, *EMBEDDED_MODELS))}, an HF checkpoint folder or a .gguf "
+        "file (tiny: random weights, fast, for tests)",
+    )
     p.add_argument("--engines", type=int, default=1, help="colocated engines (when no P/D nodes are given)")
     p.add_argument("--prefill-nodes", type=int, default=0, help="prefill nodes (disaggregated mode)")
     p.add_argument("--decode-nodes", type=int, default=0, help="decode nodes (disaggregated mode)")

@@ -100,6 +100,15 @@ class SamplingParams(Message):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
+    top_k: int = 0  # 0: no limit
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias_ids: list[int] = field(default_factory=list)  # with logit_bias_values: token id -> bias
+    logit_bias_values: list[float] = field(default_factory=list)
+    logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the k most likely
+    grammar: str = ""  # llguidance grammar (gpu.grammar) the output must match; "": unconstrained
 
 
 @message
@@ -118,6 +127,8 @@ class TokenDelta(Message):
     error_message: str = ""
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage, sent with the first delta
     handoff: bool = False  # the sending engine is done; later deltas come from another engine (PE -> DE)
+    # with SamplingParams.logprobs >= 0: per token [logprob, [top ids], [top logprobs]]
+    logprobs: list[Any] = field(default_factory=list)
 
 
 @message

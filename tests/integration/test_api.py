@@ -169,7 +169,7 @@ async def test_bad_input(
     async with http.post(
         f"{cluster.url}{path}", data=data, headers={"Content-Type": "application/json"}
     ) as resp:
-        assert resp.status == 400
+        assert resp.status == (404 if code == "model_not_found" else 400)
         err = (await resp.json())["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["param"] == param and err["code"] == code and err["type"] == "invalid_request_error"

@@ -17,11 +17,11 @@ from gpu.model_spec import load_model_spec
 from gpu.tokenizer import load_tokenizer
 from loadgen.bench.load_driver import LoadDriverConfig, LoadDriverEngine
 from services.router import handlers
-from services.router.api import _Renderer
 from services.router.config import RouterConfig
-from services.router.core import RouterCore, Usage
+from services.router.core import Piece, RouterCore, Usage
 from services.router.handlers import decode_token_batch
 from services.router.prompts import PreparedPrompt
+from services.router.render import RenderOptions, ResponseRenderer
 from services.router.requests import GenerationRequest
 from shared.bus import Bus
 from shared.errors import DeadlineExceededError, ProtocolError
@@ -112,15 +112,18 @@ def test_fast_decode_coerces_and_ignores_like_the_codec() -> None:
 def test_sse_chunks_from_prebuilt_parts_are_byte_identical(
     endpoint: str, include_usage: bool, prompt_ids: list[int] | None
 ) -> None:
-    fast = _Renderer(endpoint, "cmpl-1", 'm"odel', include_usage, prompt_ids)
-    slow = _Renderer(endpoint, "cmpl-1", 'm"odel', include_usage, prompt_ids)
+    options = RenderOptions(
+        endpoint, "cmpl-1", 'm"odel', include_usage=include_usage, prompt_token_ids=prompt_ids
+    )
+    fast, slow = ResponseRenderer(options), ResponseRenderer(options)
     slow.created = fast.created
-    if endpoint == "chat":
-        assert fast.sse(fast.chunk("", None, [], role=True)) == slow.sse(slow.chunk("", None, [], role=True))
+    slow._is_plain = False  # every chunk built as an object and serialized
+    assert fast.first_chunks() == slow.first_chunks()
     pieces = [("a", None, [1]), ("", None, [2]), ('q"\\ \u00e9\n\U0001f600', None, [3, 4]), ("", None, [])]
     pieces += [("end", "length", [5])]
     for text, finish, ids in pieces:
-        assert fast.chunk_sse(text, finish, ids) == slow.sse(slow.chunk(text, finish, ids)), (text, finish)
+        piece = Piece(text, ids, finish)
+        assert fast.piece_chunks(0, piece) == slow.piece_chunks(0, piece), (text, finish)
 
 
 def test_non_json_is_the_codecs_protocol_error() -> None:

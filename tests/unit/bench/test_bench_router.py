@@ -93,7 +93,7 @@ async def test_bench_serve_reports_refused_requests(bench_stack: BenchStack) -> 
     cfg = ServeBenchConfig(url=bench_stack.url, model="no-such-model", concurrency=2, num_requests=3)
     out = await run_serve_bench(cfg)
     assert out["num_ok"] == 0 and out["num_failed"] == 3
-    assert out["first_error"].startswith("HTTP 400") and "no-such-model" in out["first_error"]
+    assert out["first_error"].startswith("HTTP 404") and "no-such-model" in out["first_error"]
 
 
 async def test_client_gone_frees_the_load_driver_slot(bench_stack: BenchStack) -> None:

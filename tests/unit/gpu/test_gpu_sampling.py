@@ -109,3 +109,46 @@ async def test_runner_same_seed_same_generation(tiny_runner: ModelRunner) -> Non
 
     first, second = await generate("a"), await generate("b")
     assert first == second
+
+
+def test_penalties_and_bias_apply_per_row_and_leave_other_rows_alone() -> None:
+    logits = logits_batch(4, seed=5)
+    top = int(logits[0].argmax())
+    plain = SamplingOptions(temperature=0.0)
+    options = [
+        plain,
+        SamplingOptions(temperature=0.0, logit_bias={7: 100.0}),
+        SamplingOptions(temperature=0.0, frequency_penalty=2.0, output_token_ids=[top] * 50),
+        SamplingOptions(temperature=0.0, repetition_penalty=1e-3, prompt_token_ids=[11]),  # < 1 favours 11
+    ]
+    rows = [logits[0]] * 4
+    tokens = draw(Sampler(), torch.stack(rows), options, list("abcd"))
+    assert tokens[0] == top and tokens[1] == 7 and tokens[2] != top
+    assert tokens[3] == (11 if float(rows[3][11]) > 0 else top)  # CTRL's rule: positive logits / penalty
+    alone = draw(Sampler(), torch.stack(rows[:1]), [plain], ["a"])
+    assert alone == tokens[:1]  # a row without extras is sampled as if alone
+
+
+def test_top_k_and_min_p_truncate_the_distribution() -> None:
+    logits = logits_batch(1, vocab=20, seed=9)
+    best3 = set(logits[0].topk(3).indices.tolist())
+    sampler = Sampler()
+    for i in range(50):
+        top_k = SamplingOptions.seeded(i, temperature=2.0)
+        top_k.top_k = 3
+        assert draw(sampler, logits, [top_k], ["k"])[0] in best3
+        min_p = SamplingOptions.seeded(i, temperature=1.0)
+        min_p.min_p = 1.0
+        assert draw(sampler, logits, [min_p], ["p"]) == [int(logits[0].argmax())]
+
+
+def test_logprobs_are_the_models_own_distribution() -> None:
+    logits = logits_batch(2, seed=3)
+    sink: list = []
+    options = [SamplingOptions(temperature=0.0, num_logprobs=2, logprobs_out=sink, logit_bias={0: 50.0})]
+    options.append(SamplingOptions(temperature=0.0))
+    tokens = draw(Sampler(), logits, options, ["a", "b"])
+    [(logprob, top_ids, top_lps)] = sink
+    expected = logits[0].log_softmax(-1)
+    assert tokens[0] == 0 and abs(logprob - float(expected[0])) < 1e-5  # the bias chose it, not the model
+    assert top_ids == expected.topk(2).indices.tolist() and len(top_lps) == 2
