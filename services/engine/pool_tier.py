@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from gpu import host_gather
 from services.engine import metrics
 from services.engine.sequence import Sequence
 from shared.blocks import BlockLayout
@@ -42,6 +43,7 @@ class PoolRead:
     lease_id: int
     slots: list[int]
     runs: list[tuple[int, int, np.ndarray]]  # (first block, count, [count, L, bs, bytes] view of the slots)
+    gather: Any = None  # on CUDA: the device-side source addresses, once the cache blocks are known
 
     @property
     def num_blocks(self) -> int:
@@ -64,6 +66,19 @@ class PoolTier:
         self.verify_checksums = verify_checksums
         self.lease_ms = lease_ms
         self._tasks: set[asyncio.Future[Any]] = set()
+        self._copier: Any = (
+            None  # CUDA: one kernel launch per layer of a read, per write (gpu/host_gather.py)
+        )
+        self._registered: Any = None
+        if host_gather.available(kv.device):
+            try:
+                self._registered = host_gather.RegisteredHost(self.memory.devices)
+                self._copier = host_gather.BlockCopier(kv)
+            except Exception as exc:  # registration or the kernels' compile: copy per run instead
+                log.warning("pool memory not mapped into %s (%r): copies per run of slots", kv.device, exc)
+                if self._registered is not None:
+                    self._registered.close()
+                self._registered = self._copier = None
 
     # ------------------------------------------------------------------------------------------ read
 
@@ -110,7 +125,15 @@ class PoolTier:
         return out
 
     def import_layer(self, block_ids: list[int], read: PoolRead, layer: int) -> None:
-        """Layer `layer` of the leased blocks into the cache blocks `block_ids` (one copy per run)."""
+        """Layer `layer` of the leased blocks into the cache blocks `block_ids` (CUDA: one kernel launch
+        reading the mapped pool; else one copy per run of slots)."""
+        if self._copier is not None:
+            if read.gather is None:
+                read.gather = self._copier.prepare(
+                    self._device_ptrs(read.slots), block_ids[: read.num_blocks]
+                )
+            self._copier.gather_layer(read.gather, layer)
+            return
         for first, count, blocks in read.runs:
             self.kv.import_layer(block_ids[first : first + count], layer, blocks[:, layer])
 
@@ -160,11 +183,20 @@ class PoolTier:
         return self._keep(self._commit(seq.request_id, [hashes[i] for i in picked], checksums))
 
     def _export(self, block_ids: list[int], slots: list[int]) -> list[int]:
+        if self._copier is not None:  # one launch writes every block into its mapped slot
+            self._copier.scatter_blocks(block_ids, self._device_ptrs(slots))
+            return [block_checksum(self.memory.slot(slot)) for slot in slots]
         checksums = []
         for first, count, blocks in self._runs(slots):
             self.kv.export_blocks(block_ids[first : first + count], blocks)
             checksums += [block_checksum(b) for b in blocks]
         return checksums
+
+    def _device_ptrs(self, slots: list[int]) -> list[int]:
+        """The device addresses of the slots in the registered pool memory."""
+        devices, rows = self.memory.geometry.locate_many(np.asarray(slots, dtype=np.int64))
+        bases = np.asarray(self._registered.device_ptrs, dtype=np.uint64)[devices]
+        return (bases + rows.astype(np.uint64) * np.uint64(self.memory.geometry.slot_bytes)).tolist()
 
     async def _commit(self, request_id: str, hashes: list[int], checksums: list[int]) -> None:
         try:
@@ -185,4 +217,6 @@ class PoolTier:
             await asyncio.wait(tasks, timeout=1.0)
         for task in tasks:
             task.cancel()
+        if self._registered is not None:
+            self._registered.close()
         self.client.close()
