@@ -182,7 +182,18 @@ def _replay(args: argparse.Namespace) -> int:
     else:
         print("\n".join(summary_lines(result)))
         print(f"result: {config.out}" + (f"; plots: {config.plot_dir}" if config.plot_dir else ""))
-    return 130 if result["meta"]["interrupted"] else 0
+    if result["meta"]["interrupted"]:
+        return 130
+    failed = [r for r in result["requests"] if r.get("error") and r.get("error_code") != "cancelled"]
+    if failed:  # a run whose requests failed did not measure what it set out to: say why, exit non-zero
+        first = failed[0]
+        print(
+            f"kvpath loadgen: {len(failed)} requests failed; the first ({first['session_id']} turn "
+            f"{first['turn']}): {first.get('error_code')}: {first['error']}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def _compare(args: argparse.Namespace) -> int:

@@ -10,7 +10,9 @@ A stream chunk is token-bearing when its choice carries text (completions) or de
 ids, except a chat chunk that only opens the message (role) and an empty chunk that only carries the
 finish_reason; an empty string counts (a byte of a multi-byte character). Where the server lists the chunk's
 `token_ids`, they decide alone: the chunk carries that many tokens (several when the server coalesced them),
-none when the list is empty; otherwise a token-bearing chunk counts as one token. All chunks of one network
+none when the list is empty; otherwise a token-bearing chunk counts as one token. A stream whose only
+tokens came in the chunk with the finish_reason, rendered as "" (a partial multi-byte character), gets its
+first token stamped there from the usage's completion_tokens. All chunks of one network
 read share its arrival time. The first token-bearing chunk stamps TTFT, the second TTST, the gaps between
 them are ITL samples; the record also keeps every such chunk's arrival time and token count.
 """
@@ -119,6 +121,7 @@ class OpenAIClient:
         texts: list[str] = []
         ids: list[int] = []
         usage: dict[str, Any] | None = None
+        finished_s: float | None = None  # arrival of the chunk that carried the finish_reason
         parser = SseParser()
         async for data in resp.content.iter_any():
             if record.t_end_s is not None:
@@ -133,12 +136,18 @@ class OpenAIClient:
                     _record_stream_error(record, chunk["error"])
                     return CallOutput(ok=False)
                 usage = chunk.get("usage") or usage
+                if finished_s is None and any(c.get("finish_reason") for c in chunk.get("choices") or ()):
+                    finished_s = arrived_s
                 num_tokens, text, chunk_ids = self._token_content(chunk)
                 if num_tokens:
                     _stamp_tokens(record, arrived_s, num_tokens)
                     texts.append(text)
                     ids.extend(chunk_ids)
         _apply_usage(record, usage)
+        if record.t_first_s is None and record.output_tokens and finished_s is not None:
+            # the only tokens came with the finish_reason and render as "" (part of a multi-byte
+            # character): the usage says they were there
+            _stamp_tokens(record, finished_s, record.output_tokens)
         if record.output_tokens == 0:
             record.output_tokens = sum(record.chunk_tokens)
         return CallOutput(ok=record.t_end_s is not None, text="".join(texts), token_ids=ids or None)
@@ -209,6 +218,14 @@ async def _record_http_error(resp: aiohttp.ClientResponse, record: CallRecord) -
 
 async def first_model(http: aiohttp.ClientSession, url: str, timeout_s: float = 30.0) -> str:
     """The id of the first model the server lists at GET /v1/models."""
+    return str((await model_card(http, url, "", timeout_s=timeout_s))["id"])
+
+
+async def model_card(
+    http: aiohttp.ClientSession, url: str, model: str, *, timeout_s: float = 30.0
+) -> dict[str, Any]:
+    """The server's entry for `model` at GET /v1/models (the first one when `model` is empty; `{"id": model}`
+    when the server does not list it: some servers serve names they do not list)."""
     try:
         async with http.get(
             base_url(url) + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)
@@ -216,8 +233,12 @@ async def first_model(http: aiohttp.ClientSession, url: str, timeout_s: float = 
             resp.raise_for_status()
             body = await resp.json(loads=orjson.loads)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        if model:
+            return {"id": model}
         raise ServiceUnavailableError(f"cannot list models at {base_url(url)}/v1/models: {exc}") from exc
-    models = body.get("data") or []
-    if not models or "id" not in models[0]:
+    cards = [c for c in body.get("data") or [] if isinstance(c, dict) and "id" in c]
+    if model:
+        return next((c for c in cards if c["id"] == model), {"id": model})
+    if not cards:
         raise ServiceUnavailableError(f"{base_url(url)}/v1/models lists no model; pass --model")
-    return str(models[0]["id"])
+    return cards[0]

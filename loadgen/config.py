@@ -35,7 +35,11 @@ class ReplayConfig:
     history: str = doc(
         "synthetic", "next turn's context holds placeholder tokens or the server's actual output"
     )
-    vocab_size: int = doc(32000, "synthetic token ids are drawn from [min_token_id, min_token_id+vocab_size)")
+    vocab_size: int = doc(
+        0,
+        "synthetic token ids are drawn from [min_token_id, min_token_id+vocab_size); 0: the served model's "
+        "vocabulary (its model card's vocab_size) less min_token_id, or 32000 when the server does not say",
+    )
     min_token_id: int = doc(0, "lowest synthetic token id")
     max_context: int = doc(0, "end a trajectory (truncate a single request) to fit this many tokens; 0: off")
     length_scale: float = doc(1.0, "multiply every trace length (CPU runs)")
@@ -115,7 +119,7 @@ class ReplayConfig:
             "min_token_id",
         ):
             check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
-        check(self.vocab_size >= 2, "vocab_size", self.vocab_size, "must be >= 2")
+        check(self.vocab_size == 0 or self.vocab_size >= 2, "vocab_size", self.vocab_size, "0 or >= 2")
         check(
             self.default_output_tokens >= 1,
             "default_output_tokens",

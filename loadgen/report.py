@@ -74,12 +74,14 @@ def plot_results(results: Sequence[dict[str, Any]], out_dir: str | Path) -> list
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs = [(str(r.get("meta", {}).get("label", f"run {i}")), r) for i, r in enumerate(results)]
-    return [
+    paths = [
         _plot_cdfs(runs, out / "latency_cdf.png"),
         _plot_ttft_over_time(runs, out / "ttft_over_time.png"),
-        _plot_hit_rate(runs, out / "hit_rate_per_turn.png"),
-        _plot_throughput(runs, out / "throughput_over_time.png"),
     ]
+    if any(len(r["summary"]["hit_rate"]["per_turn"]) > 1 for _, r in runs):  # per turn: multi-turn only
+        paths.append(_plot_hit_rate(runs, out / "hit_rate_per_turn.png"))
+    paths.append(_plot_throughput(runs, out / "throughput_over_time.png"))
+    return paths
 
 
 Runs = Sequence[tuple[str, dict[str, Any]]]
@@ -95,6 +97,7 @@ def _metric_values(res: dict[str, Any], metric: str) -> list[float]:
 
 def _plot_cdfs(runs: Runs, path: Path) -> Path:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(2, 3, figsize=(14, 8))
     for ax, metric in zip(
@@ -102,6 +105,10 @@ def _plot_cdfs(runs: Runs, path: Path) -> Path:
     ):
         for label, res in runs:
             _cdf(ax, _metric_values(res, metric), label)
+        # few ticks in compact notation: client queueing spans microseconds to seconds, whose long
+        # labels otherwise run into each other
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
         ax.set_xlabel(f"{metric[:-2].upper()} (s)")
         ax.set_ylabel("CDF")
         ax.grid(alpha=0.3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import signal
@@ -13,7 +14,7 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from loadgen.client import OpenAIClient, first_model
+from loadgen.client import OpenAIClient, model_card
 from loadgen.config import ReplayConfig
 from loadgen.plan import session_source
 from loadgen.progress import Progress
@@ -36,12 +37,15 @@ async def run_replay(
     SIGINT / SIGTERM (or `stop`) end the run early; the partial result is still written.
     """
     salt = config.content_salt if config.content_salt >= 0 else secrets.randbits(63)
-    source = session_source(trace, config, salt, run_tag=f"{salt & 0xFFFFFF:06x}")
     started_at = time.time()
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, headers=headers) as http:
-        model = config.model or await first_model(http, config.url)
+        card = await model_card(http, config.url, config.model)
+        model = str(card["id"])
+        if not config.vocab_size:
+            config = dataclasses.replace(config, vocab_size=_vocab_size(card, config.min_token_id))
+        source = session_source(trace, config, salt, run_tag=f"{salt & 0xFFFFFF:06x}")
         client = _client(
             http, config, model, want_token_ids=config.history == "output" and source.opts.is_token_prompt
         )
@@ -62,6 +66,16 @@ async def run_replay(
 
         plot_results([result], config.plot_dir)
     return result
+
+
+def _vocab_size(card: dict[str, Any], min_token_id: int) -> int:
+    """Token ids a synthetic prompt may use: the served vocabulary above `min_token_id` (kvpath's model card
+    says `vocab_size`), else the usual 32000."""
+    vocab = card.get("vocab_size")
+    if isinstance(vocab, int) and vocab - min_token_id >= 2:
+        return vocab - min_token_id
+    log.info("the server does not say its vocabulary size: token ids below %d", 32000 + min_token_id)
+    return 32000
 
 
 def _client(

@@ -73,6 +73,7 @@ def _model_card(ctx: ApiContext) -> dict[str, Any]:
         "created": ctx.created,
         "owned_by": "kvpath",
         "max_model_len": ctx.max_model_len,
+        "vocab_size": ctx.vocab_size,  # extension: clients drawing token-id prompts stay inside it
     }
 
 

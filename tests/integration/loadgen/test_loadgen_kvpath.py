@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,14 +34,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     assert up.stop() == 0, up.log()
 
 
-def loadgen(*args: str, timeout_s: float = 100.0) -> str:
-    proc = subprocess.run(
+def run_loadgen(*args: str, timeout_s: float = 100.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, "-m", "services.cli", "loadgen", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
         check=False,
     )
+
+
+def loadgen(*args: str, timeout_s: float = 100.0) -> str:
+    proc = run_loadgen(*args, timeout_s=timeout_s)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -90,8 +95,8 @@ def test_mooncake_slice_online(cluster: UpProcess, tmp_path: Path) -> None:
     out = tmp_path / "mooncake.json"
     replay = (
         "replay --format mooncake --mode online --arrivals trace --limit 30 --time-scale 0.05 "
-        f"--length-scale 0.05 --max-context 2048 --vocab-size {VOCAB} --progress off"
-    )
+        "--length-scale 0.05 --max-context 2048 --progress off"
+    )  # no --vocab-size: token ids from the served model's vocabulary (its model card says how large)
     loadgen(*replay.split(), "--url", cluster.url, "--trace", str(MOONCAKE), "--out", str(out))
     result = load_result(out)
     s = result["summary"]
@@ -104,5 +109,18 @@ def test_mooncake_slice_online(cluster: UpProcess, tmp_path: Path) -> None:
         max(r["t_start_s"] for r in result["requests"]) >= last_ms / 1000 * 0.05 * 0.99
     )  # time-scaled arrivals
     assert s["hit_rate"]["ideal_overall"] > 0  # every request shares the first block (hash id 0)
+    with urllib.request.urlopen(f"{cluster.url}/v1/models", timeout=10) as resp:
+        card = orjson.loads(resp.read())["data"][0]
+    assert card["vocab_size"] > 256 and result["meta"]["config"]["vocab_size"] == card["vocab_size"]
     text = loadgen("compare", str(out), str(out))
     assert "ttft_s.p50" in text and "1.000" in text
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="shared trace not present")
+def test_failed_requests_are_reported_and_fail_the_run(cluster: UpProcess, tmp_path: Path) -> None:
+    replay = "replay --format mooncake --mode offline --limit 2 --length-scale 0.05 --vocab-size 32000"
+    proc = run_loadgen(*replay.split(), "--progress", "off", "--url", cluster.url, "--trace", str(MOONCAKE),
+                       "--out", str(tmp_path / "r.json"))  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "0 ok, 2 failed" in proc.stdout
+    assert "requests failed; the first" in proc.stderr and "invalid_request" in proc.stderr

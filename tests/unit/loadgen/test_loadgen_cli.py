@@ -183,6 +183,11 @@ def test_compare_and_plot_commands(tmp_path: Path, capsys: pytest.CaptureFixture
         "ttft_over_time.png",
     ]
     assert all((tmp_path / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    single = fake_result("one-turn", 0.5, 2.0)
+    single["summary"]["hit_rate"]["per_turn"] = [{"turn": 1, "hit_rate": 0.0, "ideal_hit_rate": 0.0}]  # type: ignore[index]
+    write_result(tmp_path / "c.json", single)
+    rc, _, _ = run(capsys, "plot", str(tmp_path / "c.json"), "--out-dir", str(tmp_path / "single"))
+    assert rc == 0 and "hit_rate_per_turn.png" not in {p.name for p in (tmp_path / "single").iterdir()}
     (tmp_path / "junk.json").write_text('{"schema": "other"}')
     rc, _, err = run(capsys, "compare", str(tmp_path / "a.json"), str(tmp_path / "junk.json"))
     assert rc == 2 and "not a loadgen result" in err
