@@ -104,8 +104,13 @@ class Service:
         )
 
     def health(self) -> dict[str, Any]:
-        """Health details; `ok` false makes /health answer 503."""
+        """Health details; `ok` false makes /health answer 503 (liveness: restart me)."""
         return {"ok": self.status == "ready" and self.bus.is_connected.is_set(), "status": self.status}
+
+    def readiness(self) -> dict[str, Any]:
+        """Readiness details; `ok` false makes /ready answer 503 (send me no traffic now). Healthy by default;
+        a service that cannot serve without others (the router without engines) says so here."""
+        return self.health()
 
     def add_routes(self, app: web.Application) -> None:
         """Add service-specific HTTP routes next to /health and /metrics."""
@@ -219,6 +224,7 @@ class Service:
     def build_app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/health", self._handle_health)
+        app.router.add_get("/ready", self._handle_ready)
         app.router.add_get("/metrics", self._handle_metrics)
         self.add_routes(app)
         return app
@@ -253,6 +259,11 @@ class Service:
 
     async def _handle_health(self, request: web.Request) -> web.Response:
         details = self.health()
+        details["service_id"] = self.service_id
+        return web.json_response(details, status=200 if details.get("ok") else 503)
+
+    async def _handle_ready(self, request: web.Request) -> web.Response:
+        details = self.readiness()
         details["service_id"] = self.service_id
         return web.json_response(details, status=200 if details.get("ok") else 503)
 

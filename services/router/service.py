@@ -85,6 +85,13 @@ class RouterService(Service):
         details["inflight"] = self.core.inflight
         return details
 
+    def readiness(self) -> dict[str, Any]:
+        """Ready when healthy and at least one engine reports load: until then every request would be 503."""
+        details = self.health()
+        if details["ok"] and not details["engines"]:
+            details["ok"], details["reason"] = False, "no engine"
+        return details
+
     def service_info(self) -> ServiceInfo:
         info = super().service_info()
         info.model = self.model_name

@@ -4,6 +4,12 @@ Starts nats-server (JetStream on, free port) unless `--nats-url` is given, then 
 process (`kvpath serve ...`), waits until each is registered and healthy, prints the URL, and on Ctrl-C or
 SIGTERM stops everything it started: children first (SIGTERM, then SIGKILL after a deadline), then NATS,
 then its temporary directory. Children also die with it if it is killed (PR_SET_PDEATHSIG).
+
+Once ready it supervises: a child (nats-server included) that exits is restarted after a backoff
+(`RestartPolicy`), with the same service id, so the cluster heals; each restart is logged and counted in
+`<log dir>/supervisor.json` (pid, restarts, last exit code per child). The cluster stops only on Ctrl-C /
+SIGTERM, or when one child keeps crashing (more than `max_restarts` within `window_s`): then it names the
+child and its log and exits 1.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -142,11 +148,35 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+@dataclass(slots=True, frozen=True)
+class RestartPolicy:
+    """When a child that exited is started again: after `initial_backoff_s`, doubling with every restart
+    inside the window up to `max_backoff_s`; never when it exited more than `max_restarts` times within the
+    last `window_s` (a crash loop: restarting would only hide it)."""
+
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+    max_restarts: int = 5
+    window_s: float = 60.0
+
+    def backoff_s(self, exits: list[float], now: float) -> float | None:
+        """Seconds to wait before the next start, given the child's exit times (the last one just now);
+        None: give up."""
+        recent = [t for t in exits if now - t <= self.window_s]
+        if len(recent) > self.max_restarts:
+            return None
+        return min(self.max_backoff_s, self.initial_backoff_s * 2 ** max(0, len(recent) - 1))
+
+
 @dataclass(slots=True)
 class Child:
     spec: ProcessSpec
     proc: subprocess.Popen[bytes]
     log_path: str
+    exits: list[float] = field(default_factory=list)  # monotonic times it exited
+    restarts: int = 0
+    last_exit_code: int | None = None
+    restart_at: float | None = None  # monotonic time of its scheduled restart
 
 
 class LocalCluster:
@@ -161,6 +191,10 @@ class LocalCluster:
         self.nats: NatsServer | None = None
         self.children: list[Child] = []
         self.service_urls: dict[str, str] = {}
+        self.restart_policy = RestartPolicy()
+        self.nats_exits: list[float] = []
+        self.nats_restarts = 0
+        self.supervisor_file = str(Path(log_dir) / "supervisor.json")
         self._stop = asyncio.Event()
 
     async def serve(self, *, ready_file: str, startup_timeout_s: float) -> int:
@@ -183,6 +217,7 @@ class LocalCluster:
                 "log_dir": self.log_dir,
                 "services": self.service_urls,
                 "tmp_dir": self.tmp_dir,
+                "supervisor_file": self.supervisor_file,
             }
             await asyncio.to_thread(_write_atomically, Path(ready_file), json.dumps(info))
         code = await self._watch()
@@ -258,21 +293,88 @@ class LocalCluster:
                 )
 
     async def _watch(self) -> int:
+        """Supervise until Ctrl-C / SIGTERM (0) or a crash loop (1)."""
+        await asyncio.to_thread(self._write_supervisor)
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), 0.5)
+                await asyncio.wait_for(self._stop.wait(), 0.25)
+            if self._stop.is_set():
+                break
+            now = time.monotonic()
+            if not await self._supervise_nats(now):
+                return 1
             for child in self.children:
-                code = child.proc.poll()
-                if code is not None and not self._stop.is_set():
-                    log.error(
-                        "%s exited with code %s; stopping the cluster\n%s",
-                        child.spec.name,
-                        code,
-                        _tail(child.log_path),
-                    )
+                if not await self._supervise(child, now):
                     return 1
         log.info("stopping")
         return 0
+
+    async def _supervise(self, child: Child, now: float) -> bool:
+        """Restart the child when it is due; False when it keeps crashing."""
+        if child.restart_at is None:
+            code = child.proc.poll()
+            if code is None:
+                return True
+            child.exits.append(now)
+            child.last_exit_code = code
+            delay = self.restart_policy.backoff_s(child.exits, now)
+            if delay is None:
+                log.error(
+                    "%s keeps crashing (%d exits within %.0f s, last code %s); stopping the cluster; "
+                    "its log: %s\n%s",
+                    child.spec.name, len(child.exits), self.restart_policy.window_s, code, child.log_path,
+                    _tail(child.log_path),
+                )  # fmt: skip
+                return False
+            log.error(
+                "%s exited with code %s; restarting it in %.1f s\n%s",
+                child.spec.name, code, delay, _tail(child.log_path, 10),
+            )  # fmt: skip
+            child.restart_at = now + delay
+            return True
+        if now >= child.restart_at:
+            child.restart_at = None
+            child.proc = self._spawn(child.spec).proc
+            child.restarts += 1
+            log.warning("restarted %s (restart %d, pid %d)", child.spec.name, child.restarts, child.proc.pid)
+            await asyncio.to_thread(self._write_supervisor)
+        return True
+
+    async def _supervise_nats(self, now: float) -> bool:
+        """Restart our nats-server on its port and store (JetStream keeps its streams); clients reconnect."""
+        if self.nats is None:
+            return True
+        proc = self.nats.proc  # None: a restart that failed, to be tried again
+        if proc is not None and proc.poll() is None:
+            return True
+        code = proc.poll() if proc is not None else None
+        self.nats_exits.append(now)
+        delay = self.restart_policy.backoff_s(self.nats_exits, now)
+        if delay is None:
+            log.error("nats-server keeps crashing (last code %s); stopping the cluster; log: %s", code,
+                      self.nats.log_path)  # fmt: skip
+            return False
+        log.error("nats-server exited with code %s; restarting it in %.1f s", code, delay)
+        await asyncio.sleep(delay)
+        try:
+            await asyncio.to_thread(self.nats.start)
+        except (KvpathError, OSError) as exc:  # counted as another exit on the next pass
+            log.error("nats-server did not restart: %r", exc)
+            return True
+        self.nats_restarts += 1
+        log.warning("restarted nats-server (restart %d)", self.nats_restarts)
+        await asyncio.to_thread(self._write_supervisor)
+        return True
+
+    def _write_supervisor(self) -> None:
+        """pid, restarts and last exit code of every child (and of our nats-server) in supervisor.json."""
+        state: dict[str, dict[str, object]] = {
+            c.spec.name: {"pid": c.proc.pid, "restarts": c.restarts, "last_exit_code": c.last_exit_code}
+            for c in self.children
+        }
+        if self.nats is not None and self.nats.proc is not None:
+            state["nats-server"] = {"pid": self.nats.proc.pid, "restarts": self.nats_restarts}
+        _write_atomically(Path(self.supervisor_file), json.dumps(state, indent=1))
 
     def _shutdown(self, timeout_s: float = 15.0) -> None:
         # router first (stops taking requests), then engines, then storage and index

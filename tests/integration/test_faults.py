@@ -28,6 +28,9 @@ async def test_no_engine_is_503_with_retry_after(stack: tuple[Stack, Bus], polic
         async with http.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}) as resp:
             assert resp.status == 503 and resp.headers["Retry-After"] == "1"
             err = (await resp.json())["error"]
+        async with http.get(f"{url}/health") as health, http.get(f"{url}/ready") as ready_resp:
+            assert health.status == 200  # alive: no reason to restart it
+            assert ready_resp.status == 503 and (await ready_resp.json())["reason"] == "no engine"
     assert err["code"] == "no_engine_available" and err["type"] == "service_unavailable"
 
 
@@ -39,6 +42,8 @@ async def test_engine_death_mid_stream_ends_with_error_event(stack: tuple[Stack,
     url = ready["router-0"].http_url
     body = {"model": "tiny", "prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        async with http.get(f"{url}/ready") as ready_resp:
+            assert ready_resp.status == 200
         async with http.post(f"{url}/v1/completions", json=body) as resp:
             assert resp.status == 200
             await resp.content.readuntil(b"\n\n")

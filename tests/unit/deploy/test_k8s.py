@@ -112,7 +112,8 @@ def test_probes_and_ports_point_at_the_service_port(deployment: Deployment) -> N
             if probe is None and kind == "startupProbe":
                 continue
             assert probe is not None, f"{c.name}: no {kind}"
-            assert probe["httpGet"]["path"] == "/health", f"{c.name}: {kind}"
+            want = "/ready" if kind == "readinessProbe" else "/health"  # ready: send traffic; health: alive
+            assert probe["httpGet"]["path"] == want, f"{c.name}: {kind}"
             assert port_number(c.container, probe["httpGet"]["port"]) == config.http_port, f"{c.name}: {kind}"
 
 

@@ -1,0 +1,68 @@
+"""`kvpath up` heals: a SIGKILLed engine and a SIGKILLed nats-server are restarted (same service id, same
+NATS port and JetStream store), counted in supervisor.json, and the cluster serves again without a hand
+touching it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import UpProcess
+
+pytestmark = pytest.mark.slow
+RECOVER_S = 90.0  # restart backoff + an engine's model load + reconnects, on a busy 2-core machine
+
+
+def _state(up: UpProcess) -> dict[str, dict[str, int]]:
+    return json.loads(Path(up.info["supervisor_file"]).read_text())
+
+
+def _serves(up: UpProcess) -> bool:
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}).encode()
+    request = urllib.request.Request(
+        f"{up.url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _wait(what: str, condition: object, timeout_s: float = RECOVER_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def test_a_killed_engine_and_a_killed_nats_server_are_restarted(tmp_path: Path) -> None:
+    up = UpProcess(tmp_path, "--kv-root", str(tmp_path / "kv"))
+    try:
+        assert _serves(up)
+        before = _state(up)
+        assert before["engine0-n0"]["restarts"] == 0 and before["nats-server"]["restarts"] == 0
+
+        os.kill(before["engine0-n0"]["pid"], signal.SIGKILL)
+        _wait("engine restarted", lambda: _state(up)["engine0-n0"]["restarts"] == 1)
+        after = _state(up)["engine0-n0"]
+        assert after["pid"] != before["engine0-n0"]["pid"] and after["last_exit_code"] == -signal.SIGKILL
+        _wait("serving after the engine's restart", lambda: _serves(up))
+
+        os.kill(before["nats-server"]["pid"], signal.SIGKILL)
+        _wait("nats-server restarted", lambda: _state(up)["nats-server"]["restarts"] == 1)
+        _wait("serving after the bus came back", lambda: _serves(up))
+        assert up.proc.poll() is None  # the cluster never stopped
+    finally:
+        assert up.stop() == 0, up.log()
+    log = up.log_path.read_text()
+    assert "restarted engine0-n0 (restart 1" in log and "restarted nats-server (restart 1)" in log
