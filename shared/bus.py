@@ -10,9 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import re
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import nats
@@ -27,6 +31,7 @@ from nats.js.kv import KeyValue
 
 from shared import telemetry
 from shared.errors import (
+    ConfigError,
     DeadlineExceededError,
     InvalidRequestError,
     KvpathError,
@@ -64,11 +69,88 @@ def _kind_of(subject: str, prefix: str) -> str:
     return rest.split(".", 1)[0] or "?"
 
 
+_URL_SECRET = re.compile(r"(?P<scheme>[a-z+]+://)(?P<user>[^:@/,]*)(?P<password>:[^@/,]*)?@")
+
+
+def redact_url(url: str) -> str:
+    """`url` (comma-separated URLs too) with any password, or a token (`nats://token@host`), replaced by
+    `***`: safe to log."""
+    return _URL_SECRET.sub(
+        lambda m: f"{m['scheme']}{m['user'] + ':' if m['password'] is not None else ''}***@", url
+    )
+
+
+@dataclass(slots=True, frozen=True)
+class NatsAuth:
+    """How a service proves itself to NATS and checks the servers: a credentials file, an nkey seed file, or
+    user + password file; TLS (server verification, optionally mutual) when a CA or client cert is given.
+    Secrets are read from files, never taken from the command line or logged."""
+
+    creds_file: str = ""
+    nkey_seed_file: str = ""
+    user: str = ""
+    password_file: str = ""
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+
+    @classmethod
+    def from_config(cls, config: Any) -> NatsAuth:
+        return cls(
+            creds_file=config.nats_creds_file,
+            nkey_seed_file=config.nats_nkey_seed_file,
+            user=config.nats_user,
+            password_file=config.nats_password_file,
+            tls_ca_file=config.nats_tls_ca_file,
+            tls_cert_file=config.nats_tls_cert_file,
+            tls_key_file=config.nats_tls_key_file,
+        )
+
+    def connect_options(self) -> dict[str, Any]:
+        """Keyword arguments of `nats.connect`; a missing or unreadable file is a ConfigError."""
+        options: dict[str, Any] = {}
+        if self.creds_file:
+            options["user_credentials"] = _readable(self.creds_file, "nats_creds_file")
+        if self.nkey_seed_file:
+            options["nkeys_seed"] = _readable(self.nkey_seed_file, "nats_nkey_seed_file")
+        if self.user:
+            options["user"] = self.user
+            if self.password_file:
+                path = _readable(self.password_file, "nats_password_file")
+                options["password"] = Path(path).read_text().strip()
+        if self.tls_ca_file or self.tls_cert_file:
+            context = ssl.create_default_context(
+                cafile=_readable(self.tls_ca_file, "nats_tls_ca_file") if self.tls_ca_file else None
+            )
+            if self.tls_cert_file:
+                context.load_cert_chain(
+                    _readable(self.tls_cert_file, "nats_tls_cert_file"),
+                    _readable(self.tls_key_file, "nats_tls_key_file") if self.tls_key_file else None,
+                )
+            options["tls"] = context
+        return options
+
+
+def _readable(path: str, param: str) -> str:
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{param}: cannot read {path}", param=param)
+    return path
+
+
 class Bus:
     """One NATS connection of one service."""
 
-    def __init__(self, url: str, namespace: str, *, name: str, request_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        *,
+        name: str,
+        request_timeout_s: float = 5.0,
+        auth: NatsAuth | None = None,
+    ) -> None:
         self.url = url
+        self.auth = auth or NatsAuth()
         self.subjects = Subjects(namespace)
         self.name = name
         self.request_timeout_s = request_timeout_s
@@ -84,7 +166,7 @@ class Bus:
     async def connect(self, *, timeout_s: float = 10.0) -> None:
         async def on_error(exc: Exception) -> None:
             telemetry.BUS_ERRORS.labels("connection").inc()
-            log.warning("bus error name=%s: %s", self.name, exc)
+            log.warning("bus error name=%s: %s", self.name, redact_url(str(exc)))
 
         async def on_disconnected() -> None:
             self.is_connected.clear()
@@ -96,10 +178,12 @@ class Bus:
             log.info("bus reconnected name=%s", self.name)
 
         servers = [s.strip() for s in self.url.split(",") if s.strip()]
+        options = self.auth.connect_options()
         try:
             self._nc = await asyncio.wait_for(
                 nats.connect(
                     servers=servers,
+                    **options,
                     name=self.name,
                     connect_timeout=min(2.0, timeout_s),
                     reconnect_time_wait=0.5,
@@ -112,7 +196,9 @@ class Bus:
                 timeout_s,
             )
         except (TimeoutError, OSError, nats.errors.Error) as exc:
-            raise ServiceUnavailableError(f"cannot connect to NATS at {self.url}: {exc!r}") from exc
+            raise ServiceUnavailableError(
+                f"cannot connect to NATS at {redact_url(self.url)}: {redact_url(repr(exc))}"
+            ) from exc
         self.is_connected.set()
 
     @property

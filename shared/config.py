@@ -41,6 +41,13 @@ class BaseConfig:
     """Fields every service shares: the bus, its identity and its lifecycle."""
 
     nats_url: str = doc("nats://127.0.0.1:4222", "NATS server URL (comma-separated for a cluster)")
+    nats_creds_file: str = doc("", "NATS credentials file (JWT + nkey seed, as `nsc` writes it)")
+    nats_nkey_seed_file: str = doc("", "file holding this service's NATS nkey seed")
+    nats_user: str = doc("", "NATS user name (the password comes from nats_password_file)")
+    nats_password_file: str = doc("", "file holding the NATS password of nats_user")
+    nats_tls_ca_file: str = doc("", "CA bundle to verify the NATS servers' certificates (turns TLS on)")
+    nats_tls_cert_file: str = doc("", "client certificate for NATS mutual TLS (with nats_tls_key_file)")
+    nats_tls_key_file: str = doc("", "private key of nats_tls_cert_file")
     namespace: str = doc("default", "bus namespace: every subject lives under kvpath.<namespace>.")
     service_id: str = doc("", "unique id of this service instance; generated when empty")
     node: int = doc(0, "node number: engines of one node share its DRAM buffer and storage service")

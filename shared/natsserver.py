@@ -7,6 +7,7 @@ with a deadline, and a stop that never leaves the process or the directory behin
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -59,9 +60,15 @@ class NatsServer:
         port: int = 0,
         store_dir: str | None = None,
         log_path: str | None = None,
+        users: dict[str, str] | None = None,
+        tls: dict[str, str] | None = None,
     ) -> None:
+        """`users`: name -> password the server accepts (none: no authorization); `tls`: `cert_file`,
+        `key_file` and optionally `ca_file` (with it, clients must present a certificate it signed)."""
         self.host = host
         self.port = port or free_port(host)
+        self.users = dict(users or {})
+        self.tls = dict(tls or {})
         self._own_dir = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="kvpath-nats-")
         self.log_path = log_path
@@ -69,15 +76,13 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
 
     def start(self, *, timeout_s: float = 15.0) -> NatsServer:
+        Path(self.store_dir).mkdir(parents=True, exist_ok=True)
         conf = Path(self.store_dir) / "nats.conf"
-        conf.write_text(
-            f"listen: {self.host}:{self.port}\n"
-            f"max_payload: {MAX_PAYLOAD_BYTES}\n"
-            f'jetstream {{ store_dir: "{self.store_dir}/js" }}\n'
-        )
+        conf.write_text(self._conf())
+        conf.chmod(0o600)  # it may hold passwords
         with contextlib.ExitStack() as stack:
             out = stack.enter_context(open(self.log_path, "ab")) if self.log_path else subprocess.DEVNULL
             self.proc = subprocess.Popen(
@@ -91,6 +96,24 @@ class NatsServer:
             self.stop()
             raise ServiceUnavailableError(f"nats-server did not start on port {self.port} (exit={code})")
         return self
+
+    def _conf(self) -> str:
+        lines = [
+            f"listen: {self.host}:{self.port}",
+            f"max_payload: {MAX_PAYLOAD_BYTES}",
+            f'jetstream {{ store_dir: "{self.store_dir}/js" }}',
+        ]
+        if self.users:
+            users = ", ".join(
+                f"{{user: {json.dumps(u)}, password: {json.dumps(p)}}}" for u, p in self.users.items()
+            )
+            lines.append(f"authorization {{ users: [{users}] }}")
+        if self.tls:
+            tls = [f'cert_file: "{self.tls["cert_file"]}"', f'key_file: "{self.tls["key_file"]}"']
+            if self.tls.get("ca_file"):
+                tls += [f'ca_file: "{self.tls["ca_file"]}"', "verify: true"]
+            lines.append("tls { " + ", ".join(tls) + " }")
+        return "\n".join(lines) + "\n"
 
     def stop(self, *, timeout_s: float = 5.0) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, TypeVar
 from aiohttp import web
 
 from shared import telemetry
-from shared.bus import Bus, Registry
+from shared.bus import Bus, NatsAuth, Registry
 from shared.config import BaseConfig, add_config_args, config_from_args
 from shared.errors import KvpathError
 from shared.logs import setup_logging
@@ -59,6 +59,7 @@ class Service:
             config.namespace,
             name=self.service_id,
             request_timeout_s=config.request_timeout_s,
+            auth=NatsAuth.from_config(config),
         )
         self.registry: Registry[ServiceInfo] = Registry(self.bus, config.registry_ttl_s)
         self.status = "starting"
