@@ -114,7 +114,23 @@ class StorageFullError(StorageError):
 
 
 class TransportError(KvpathError):
+    """The KV data plane to a peer failed (a peer that died, a broken connection): retryable."""
+
     code = "transport_error"
+    http_status = 502
+
+
+class AuthenticationError(KvpathError):
+    """No API key, or one the server does not know (OpenAI's 401)."""
+
+    code = "invalid_api_key"
+    http_status = 401
+    error_type = "invalid_request_error"
+
+
+class RequestTooLargeError(InvalidRequestError):
+    code = "request_too_large"
+    http_status = 413
 
 
 _BY_CODE: dict[str, type[KvpathError]] = {}

@@ -222,8 +222,12 @@ class Service:
 
     # ------------------------------------------------------------------------------------------ http
 
+    def new_app(self) -> web.Application:
+        """The HTTP application (a service with other limits or middlewares makes its own)."""
+        return web.Application()
+
     def build_app(self) -> web.Application:
-        app = web.Application()
+        app = self.new_app()
         app.router.add_get("/health", self._handle_health)
         app.router.add_get("/ready", self._handle_ready)
         app.router.add_get("/metrics", self._handle_metrics)

@@ -24,7 +24,7 @@ from services.router.core import Piece, RouterCore, Usage
 from services.router.prompts import PreparedPrompt, prepare_prompt
 from services.router.render import RenderOptions, ResponseRenderer
 from services.router.requests import GenerationRequest, parse_chat, parse_completion, session_header
-from shared.errors import InvalidRequestError, KvpathError, ModelNotFoundError
+from shared.errors import InvalidRequestError, KvpathError, ModelNotFoundError, RequestTooLargeError
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,21 @@ def error_response(exc: KvpathError, retry_after_s: int = 1) -> web.Response:
         headers=headers,
         dumps=lambda o: orjson.dumps(o).decode(),
     )
+
+
+def body_limit_middleware(limit_bytes: int) -> Any:
+    """A body over the app's `client_max_size` is a JSON 413 in OpenAI's shape (aiohttp's is text/plain)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)  # type: ignore[no-any-return]
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(
+                RequestTooLargeError(f"The request body is over the server's limit of {limit_bytes} bytes")
+            )
+
+    return check
 
 
 def add_api_routes(app: web.Application, ctx: ApiContext) -> None:

@@ -32,6 +32,13 @@ class RouterConfig(BaseConfig):
     force_read_side: str = doc(
         "", "experiments: read stored prefixes on this side (pe | de) when it can read"
     )
+    api_key_file: str = doc(
+        "", "file of API keys, one per line: `<key>` or `<key> <tenant>` (none configured: the API is open)"
+    )
+    api_keys: list[str] = doc(  # noqa: RUF009
+        [], "API keys `<key>` or `<key>:<tenant>` (development; prefer api_key_file: flags are visible)"
+    )
+    max_request_bytes: int = doc(32 << 20, "largest request body; larger ones get a JSON 413")
 
     def validate(self) -> None:
         BaseConfig.validate(self)
@@ -54,3 +61,4 @@ class RouterConfig(BaseConfig):
         for name in ("alpha_s", "beta_s", "z_factor"):
             check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         check(self.max_inflight_requests >= 1, "max_inflight_requests", self.max_inflight_requests, ">= 1")
+        check(self.max_request_bytes >= 1024, "max_request_bytes", self.max_request_bytes, ">= 1024")

@@ -12,7 +12,8 @@ from aiohttp import web
 
 from gpu.grammar import GrammarCompiler
 from services.router import handlers
-from services.router.api import ApiContext, add_api_routes
+from services.router.api import ApiContext, add_api_routes, body_limit_middleware
+from services.router.auth import ApiKeys
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from shared import telemetry
@@ -37,6 +38,15 @@ class RouterService(Service):
         self.model_name = config.served_model_name or self.spec.name
         # the KV format (fingerprint, block size) comes from the engines' load reports, never from here
         self.core = RouterCore(config, self.bus, self.service_id)
+
+    def new_app(self) -> web.Application:
+        keys = ApiKeys.load(self.config.api_keys, self.config.api_key_file)
+        if not keys.enabled:
+            log.warning("no API key configured: the OpenAI API is open to whoever reaches its port")
+        return web.Application(
+            client_max_size=self.config.max_request_bytes,
+            middlewares=[body_limit_middleware(self.config.max_request_bytes), keys.middleware()],
+        )
 
     def add_routes(self, app: web.Application) -> None:
         telemetry.install_http_tracing(app)  # HTTP request and stream spans, only while tracing is on
