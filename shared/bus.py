@@ -148,9 +148,11 @@ class Bus:
         name: str,
         request_timeout_s: float = 5.0,
         auth: NatsAuth | None = None,
+        jetstream_replicas: int = 1,
     ) -> None:
         self.url = url
         self.auth = auth or NatsAuth()
+        self.jetstream_replicas = jetstream_replicas  # of the streams and buckets this bus creates
         self.subjects = Subjects(namespace)
         self.name = name
         self.request_timeout_s = request_timeout_s
@@ -377,7 +379,7 @@ class Bus:
             return await self.js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
             pass
-        config = KeyValueConfig(bucket=bucket, history=history, ttl=ttl_s)
+        config = KeyValueConfig(bucket=bucket, history=history, ttl=ttl_s, replicas=self.jetstream_replicas)
         try:
             return await self.js.create_key_value(config=config)
         except nats.js.errors.BadRequestError:

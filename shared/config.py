@@ -41,6 +41,9 @@ class BaseConfig:
     """Fields every service shares: the bus, its identity and its lifecycle."""
 
     nats_url: str = doc("nats://127.0.0.1:4222", "NATS server URL (comma-separated for a cluster)")
+    jetstream_replicas: int = doc(
+        1, "replicas of the JetStream stream and bucket a service creates (3 on a 3-node NATS cluster)"
+    )
     nats_creds_file: str = doc("", "NATS credentials file (JWT + nkey seed, as `nsc` writes it)")
     nats_nkey_seed_file: str = doc("", "file holding this service's NATS nkey seed")
     nats_user: str = doc("", "NATS user name (the password comes from nats_password_file)")
@@ -75,6 +78,7 @@ class BaseConfig:
             "letters, digits, '-' and '_' only",
         )
         _check(self.node >= 0, "node", self.node, "must be >= 0")
+        _check(1 <= self.jetstream_replicas <= 5, "jetstream_replicas", self.jetstream_replicas, "1 to 5")
         _check(0 <= self.http_port < 65536, "http_port", self.http_port, "must be a port number")
         for name in (
             "load_report_interval_s",

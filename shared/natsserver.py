@@ -62,13 +62,20 @@ class NatsServer:
         log_path: str | None = None,
         users: dict[str, str] | None = None,
         tls: dict[str, str] | None = None,
+        server_name: str = "",
+        cluster_port: int = 0,
+        routes: list[str] | None = None,
     ) -> None:
         """`users`: name -> password the server accepts (none: no authorization); `tls`: `cert_file`,
-        `key_file` and optionally `ca_file` (with it, clients must present a certificate it signed)."""
+        `key_file` and optionally `ca_file` (with it, clients must present a certificate it signed);
+        `cluster_port` and `routes` make it one node of a cluster (`NatsCluster`)."""
         self.host = host
         self.port = port or free_port(host)
         self.users = dict(users or {})
         self.tls = dict(tls or {})
+        self.server_name = server_name
+        self.cluster_port = cluster_port
+        self.routes = list(routes or [])
         self._own_dir = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="kvpath-nats-")
         self.log_path = log_path
@@ -108,6 +115,13 @@ class NatsServer:
                 f"{{user: {json.dumps(u)}, password: {json.dumps(p)}}}" for u, p in self.users.items()
             )
             lines.append(f"authorization {{ users: [{users}] }}")
+        if self.server_name:
+            lines.append(f"server_name: {json.dumps(self.server_name)}")
+        if self.cluster_port:
+            routes = ", ".join(json.dumps(r) for r in self.routes)
+            lines.append(
+                f'cluster {{ name: "kvpath", listen: "{self.host}:{self.cluster_port}", routes: [{routes}] }}'
+            )
         if self.tls:
             tls = [f'cert_file: "{self.tls["cert_file"]}"', f'key_file: "{self.tls["key_file"]}"']
             if self.tls.get("ca_file"):
@@ -138,3 +152,71 @@ class NatsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class NatsCluster:
+    """`size` nats-servers on this host routed into one cluster, JetStream clustered (streams and buckets can
+    be replicated `size` ways): what `kvpath up --nats-cluster N` runs. `url` is the seed list clients use."""
+
+    def __init__(self, size: int, *, store_dir: str, log_dir: str, host: str = "127.0.0.1") -> None:
+        if size < 1:
+            raise ValueError(f"a cluster has at least one server, got {size}")
+        cluster_ports = [free_port(host) for _ in range(size)]
+        self.servers = [
+            NatsServer(
+                host=host,
+                store_dir=str(Path(store_dir) / f"n{i}"),
+                log_path=str(Path(log_dir) / f"nats-{i}.log"),
+                server_name=f"n{i}",
+                cluster_port=cluster_ports[i] if size > 1 else 0,
+                routes=[f"nats-route://{host}:{p}" for j, p in enumerate(cluster_ports) if j != i],
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def url(self) -> str:
+        return ",".join(s.url for s in self.servers)
+
+    def start(self, *, timeout_s: float = 30.0) -> NatsCluster:
+        """Every server accepting connections and JetStream answering (its meta leader elected)."""
+        try:
+            for server in self.servers:
+                server.start(timeout_s=timeout_s)
+            if len(self.servers) > 1:
+                wait_for_jetstream(self.url, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+def wait_for_jetstream(url: str, timeout_s: float) -> None:
+    """Block until a JetStream API call succeeds at `url` (a cluster elects its meta leader first)."""
+    import asyncio
+
+    import nats
+
+    async def ready() -> bool:
+        try:
+            nc = await nats.connect(servers=url.split(","), connect_timeout=1, allow_reconnect=False)
+        except Exception:
+            return False
+        try:
+            await asyncio.wait_for(nc.jetstream().account_info(), 1.0)
+            return True
+        except Exception:
+            return False
+        finally:
+            await nc.close()
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if asyncio.run(ready()):
+            return
+        time.sleep(0.2)
+    raise ServiceUnavailableError(f"JetStream not ready at {url} within {timeout_s} s")

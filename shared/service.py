@@ -60,6 +60,7 @@ class Service:
             name=self.service_id,
             request_timeout_s=config.request_timeout_s,
             auth=NatsAuth.from_config(config),
+            jetstream_replicas=config.jetstream_replicas,
         )
         self.registry: Registry[ServiceInfo] = Registry(self.bus, config.registry_ttl_s)
         self.status = "starting"

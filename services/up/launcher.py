@@ -34,12 +34,13 @@ from pathlib import Path
 import aiohttp
 
 from gpu.model_spec import DEFAULT_MODEL, EMBEDDED_MODELS, PACKAGED_MODELS
+from services.policy.ampd import SESSION_COLOCATED
 from services.policy.colocated import BELUGA, CACHE_AWARE, COLOCATED, COLOCATED_POLICIES
 from services.up.topology import ClusterSpec, ProcessSpec, cluster_processes
 from shared.bus import Bus, Registry
 from shared.errors import KvpathError, ServiceUnavailableError
 from shared.logs import setup_logging
-from shared.natsserver import NatsServer
+from shared.natsserver import NatsCluster
 from shared.protocol import ServiceInfo
 from shared.shm import remove_segments
 
@@ -53,6 +54,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--nats-url", default="", help="use this NATS server instead of starting one")
+    p.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=1,
+        help="start this many nats-servers as one cluster (JetStream replicated up to 3 ways; services get "
+        "the whole seed list, so losing one server loses nothing)",
+    )
     p.add_argument("--namespace", default="", help="bus namespace (default: a fresh one per run)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address of the API")
     p.add_argument("--http-port", "--port", type=int, default=8000, help="API port (0 picks a free one)")
@@ -67,7 +75,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-nodes", type=int, default=0, help="decode nodes (disaggregated mode)")
     p.add_argument("--engines-per-node", type=int, default=1, help="engines per prefill/decode node")
     p.add_argument(
-        "--policy", default="", help="colocated | beluga | cache-aware | dualpath | basic | dualpath-rr"
+        "--policy",
+        default="",
+        help="colocated | beluga | cache-aware | dualpath | basic | dualpath-rr (disaggregated: default "
+        "dualpath) | ampd | disagg-remote (disaggregated, session engines) | session-colocated",
     )
     p.add_argument(
         "--kv-tier",
@@ -97,7 +108,7 @@ def spec_from_args(args: argparse.Namespace, kv_root: str) -> ClusterSpec:
         raise SystemExit("kvpath up: disaggregated mode needs --prefill-nodes >= 1 and --decode-nodes >= 1")
     default = {"pool": BELUGA, "remote": CACHE_AWARE}.get(args.kv_tier, COLOCATED)
     policy = args.policy or ("dualpath" if disaggregated else default)
-    if disaggregated == (policy in COLOCATED_POLICIES):
+    if disaggregated == (policy in (*COLOCATED_POLICIES, SESSION_COLOCATED)):
         raise SystemExit(f"kvpath up: policy {policy!r} does not fit the topology")
     if args.kv_tier != "storage" and (disaggregated or args.no_kv_store):
         raise SystemExit("kvpath up: --kv-tier pool|remote serves colocated engines with a KV store")
@@ -134,6 +145,7 @@ def _run(args: argparse.Namespace) -> int:
             spec,
             tmp_dir=tmp,
             nats_url=args.nats_url,
+            nats_cluster=args.nats_cluster,
             namespace=args.namespace or f"up{uuid.uuid4().hex[:8]}",
             log_dir=args.log_dir or str(Path(tmp) / "logs"),
         )
@@ -181,19 +193,30 @@ class Child:
 
 class LocalCluster:
     def __init__(
-        self, spec: ClusterSpec, *, tmp_dir: str, nats_url: str, namespace: str, log_dir: str
+        self,
+        spec: ClusterSpec,
+        *,
+        tmp_dir: str,
+        nats_url: str,
+        namespace: str,
+        log_dir: str,
+        nats_cluster: int = 1,
     ) -> None:
+        if nats_cluster < 1:
+            raise SystemExit(f"kvpath up: --nats-cluster must be >= 1, got {nats_cluster}")
         self.spec = spec
         self.tmp_dir = tmp_dir
         self.nats_url = nats_url
         self.namespace = namespace
         self.log_dir = log_dir
-        self.nats: NatsServer | None = None
+        self.nats_cluster_size = nats_cluster
+        self.jetstream_replicas = min(3, nats_cluster)
+        self.nats: NatsCluster | None = None
         self.children: list[Child] = []
         self.service_urls: dict[str, str] = {}
         self.restart_policy = RestartPolicy()
-        self.nats_exits: list[float] = []
-        self.nats_restarts = 0
+        self.nats_exits: dict[int, list[float]] = {}  # per server of our cluster
+        self.nats_restarts: dict[int, int] = {}
         self.supervisor_file = str(Path(log_dir) / "supervisor.json")
         self._stop = asyncio.Event()
 
@@ -227,10 +250,9 @@ class LocalCluster:
     async def _start(self, timeout_s: float) -> str:
         os.makedirs(self.log_dir, exist_ok=True)
         if not self.nats_url:
-            self.nats = NatsServer(
-                store_dir=str(Path(self.tmp_dir) / "nats"), log_path=str(Path(self.log_dir) / "nats.log")
+            self.nats = NatsCluster(
+                self.nats_cluster_size, store_dir=str(Path(self.tmp_dir) / "nats"), log_dir=self.log_dir
             )
-            os.makedirs(self.nats.store_dir, exist_ok=True)
             await asyncio.to_thread(self.nats.start)
             self.nats_url = self.nats.url
         if self.spec.kv_root:
@@ -247,6 +269,7 @@ class LocalCluster:
             KVPATH_NATS_URL=self.nats_url,
             KVPATH_NAMESPACE=self.namespace,
             KVPATH_SERVICE_ID=pspec.name,
+            KVPATH_JETSTREAM_REPLICAS=str(self.jetstream_replicas),
             PYTHONUNBUFFERED="1",
         )
         cmd = [sys.executable, "-m", "services.cli", "serve", pspec.service, *pspec.args]
@@ -258,7 +281,7 @@ class LocalCluster:
         return Child(pspec, proc, log_path)
 
     async def _wait_ready(self, deadline: float) -> str:
-        bus = Bus(self.nats_url, self.namespace, name="kvpath-up")
+        bus = Bus(self.nats_url, self.namespace, name="kvpath-up", jetstream_replicas=self.jetstream_replicas)
         await bus.connect()
         registry: Registry[ServiceInfo] = Registry(bus, ttl_s=5.0)
         try:
@@ -341,30 +364,37 @@ class LocalCluster:
         return True
 
     async def _supervise_nats(self, now: float) -> bool:
-        """Restart our nats-server on its port and store (JetStream keeps its streams); clients reconnect."""
+        """Restart a server of our NATS cluster on its ports and store (JetStream keeps its streams; the
+        others keep serving meanwhile when there are any); clients reconnect through their seed list."""
         if self.nats is None:
             return True
-        proc = self.nats.proc  # None: a restart that failed, to be tried again
-        if proc is not None and proc.poll() is None:
-            return True
-        code = proc.poll() if proc is not None else None
-        self.nats_exits.append(now)
-        delay = self.restart_policy.backoff_s(self.nats_exits, now)
-        if delay is None:
-            log.error("nats-server keeps crashing (last code %s); stopping the cluster; log: %s", code,
-                      self.nats.log_path)  # fmt: skip
-            return False
-        log.error("nats-server exited with code %s; restarting it in %.1f s", code, delay)
-        await asyncio.sleep(delay)
-        try:
-            await asyncio.to_thread(self.nats.start)
-        except (KvpathError, OSError) as exc:  # counted as another exit on the next pass
-            log.error("nats-server did not restart: %r", exc)
-            return True
-        self.nats_restarts += 1
-        log.warning("restarted nats-server (restart %d)", self.nats_restarts)
-        await asyncio.to_thread(self._write_supervisor)
+        for i, server in enumerate(self.nats.servers):
+            proc = server.proc  # None: a restart that failed, to be tried again
+            if proc is not None and proc.poll() is None:
+                continue
+            code = proc.poll() if proc is not None else None
+            exits = self.nats_exits.setdefault(i, [])
+            exits.append(now)
+            delay = self.restart_policy.backoff_s(exits, now)
+            name = self._nats_name(i)
+            if delay is None:
+                log.error("%s keeps crashing (last code %s); stopping the cluster; log: %s", name, code,
+                          server.log_path)  # fmt: skip
+                return False
+            log.error("%s exited with code %s; restarting it in %.1f s", name, code, delay)
+            await asyncio.sleep(delay)
+            try:
+                await asyncio.to_thread(server.start)
+            except (KvpathError, OSError) as exc:  # counted as another exit on the next pass
+                log.error("%s did not restart: %r", name, exc)
+                continue
+            self.nats_restarts[i] = self.nats_restarts.get(i, 0) + 1
+            log.warning("restarted %s (restart %d)", name, self.nats_restarts[i])
+            await asyncio.to_thread(self._write_supervisor)
         return True
+
+    def _nats_name(self, i: int) -> str:
+        return "nats-server" if self.nats_cluster_size == 1 else f"nats-{i}"
 
     def _write_supervisor(self) -> None:
         """pid, restarts and last exit code of every child (and of our nats-server) in supervisor.json."""
@@ -372,8 +402,9 @@ class LocalCluster:
             c.spec.name: {"pid": c.proc.pid, "restarts": c.restarts, "last_exit_code": c.last_exit_code}
             for c in self.children
         }
-        if self.nats is not None and self.nats.proc is not None:
-            state["nats-server"] = {"pid": self.nats.proc.pid, "restarts": self.nats_restarts}
+        for i, server in enumerate(self.nats.servers if self.nats is not None else []):
+            if server.proc is not None:
+                state[self._nats_name(i)] = {"pid": server.proc.pid, "restarts": self.nats_restarts.get(i, 0)}
         _write_atomically(Path(self.supervisor_file), json.dumps(state, indent=1))
 
     def _shutdown(self, timeout_s: float = 15.0) -> None:

@@ -43,6 +43,7 @@ async def ensure_kv_events_stream(bus: Bus, *, max_bytes: int = -1) -> str:
             storage=StorageType.FILE,
             max_bytes=max_bytes,
             duplicate_window=_DUPLICATE_WINDOW_S,
+            num_replicas=bus.jetstream_replicas,
         )
         try:
             await bus.js.add_stream(config)

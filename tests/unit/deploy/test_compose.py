@@ -68,11 +68,19 @@ def test_kvpath_services_bind_all_interfaces_on_fixed_ports_with_fixed_ids(compo
 
 def test_cluster_wide_settings_agree(compose: Compose) -> None:
     configs = [p.config for p in compose.kvpath.values()]
-    assert len({(c.nats_url, c.namespace) for c in configs}) == 1
-    (nats_host, nats_port) = url_host_port(configs[0].nats_url)
-    nats = compose.services[nats_host]
-    assert split_image(nats["image"])[0] == "nats" and "-js" in nats["command"], "NATS with JetStream"
-    assert nats_port == 4222
+    assert len({(c.nats_url, c.namespace, c.jetstream_replicas) for c in configs}) == 1
+    seeds = [url_host_port(url) for url in configs[0].nats_url.split(",")]
+    assert len(seeds) == 3 and configs[0].jetstream_replicas == 3, "a 3-node cluster, replicated 3 ways"
+    names = set()
+    for host, port in seeds:
+        nats = compose.services[host]
+        command = nats["command"]
+        assert split_image(nats["image"])[0] == "nats" and "-js" in command, "NATS with JetStream"
+        assert port == 4222 and command[command.index("--cluster_name") + 1] == "kvpath"
+        routes = command[command.index("--routes") + 1].split(",")
+        assert {url_host_port(r)[0] for r in routes} == {h for h, _ in seeds} - {host}, f"{host}: routes"
+        names.add(command[command.index("--name") + 1])
+    assert len(names) == 3, "JetStream needs a distinct server name per node"
     engines = [p.config for p in compose.kvpath.values() if p.service == "engine"]
     # the router takes the KV format from the engines: they must agree among themselves
     assert len({(c.block_size, c.dtype) for c in engines}) == 1, "engines must agree on the KV format"
@@ -137,7 +145,8 @@ def _assert_acyclic(graph: dict[str, set[str]]) -> None:
 
 def test_kvpath_services_start_after_their_dependencies_are_healthy(compose: Compose) -> None:
     for name in compose.kvpath:
-        assert depends_on(compose.services[name]).get("nats") == "service_healthy", name
+        for node in ("nats-0", "nats-1", "nats-2"):
+            assert depends_on(compose.services[name]).get(node) == "service_healthy", name
     (router,) = compose.by_service("router")
     router_deps = depends_on(compose.services[router])
     for engine in compose.by_service("engine"):

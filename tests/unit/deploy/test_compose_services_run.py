@@ -59,6 +59,7 @@ def _start(compose: Compose, name: str, nats_url: str, namespace: str, root: Pat
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT")  # no collector here
     # one host: the compose network's per-container ports and paths become distinct local ones
     env.update(KVPATH_NATS_URL=nats_url, KVPATH_NAMESPACE=namespace, KVPATH_HTTP_PORT=str(port))
+    env.update(KVPATH_JETSTREAM_REPLICAS="1")  # one local nats-server stands in for the 3-node cluster
     argv = [a.replace("/var/lib/kvpath", str(root)) for a in command(svc)]
     with (root / f"{name}.log").open("wb") as log:
         proc = subprocess.Popen([*_kvpath(), *argv], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

@@ -228,13 +228,28 @@ def test_every_container_requests_resources(deployment: Deployment) -> None:
 
 def test_cluster_wide_settings_agree(deployment: Deployment) -> None:
     configs = [c.parsed.config for c in deployment.kvpath]
-    assert len({(c.nats_url, c.namespace) for c in configs}) == 1
-    host, _, port = configs[0].nats_url.removeprefix("nats://").partition(":")
+    assert len({(c.nats_url, c.namespace, c.jetstream_replicas) for c in configs}) == 1
     services = {s["metadata"]["name"]: s for s in deployment.manifests.of_kind("Service")}
-    assert host in services and int(port) in [p["port"] for p in services[host]["spec"]["ports"]]
-    (nats,) = _pods_selected(deployment, services[host]["spec"]["selector"])
+    seeds = [url.removeprefix("nats://") for url in configs[0].nats_url.split(",")]
+    pods = set()
+    for seed in seeds:  # <pod>.<headless service>:<port>, one per StatefulSet pod
+        host, _, port = seed.partition(":")
+        pod, _, service = host.partition(".")
+        assert service in services and int(port) in [p["port"] for p in services[service]["spec"]["ports"]]
+        (nats,) = _pods_selected(deployment, services[service]["spec"]["selector"])
+        assert nats.spec["serviceName"] == service and pod.rsplit("-", 1)[0] == nats.name
+        pods.add(int(pod.rsplit("-", 1)[1]))
     assert split_image(nats.pod["containers"][0]["image"])[0] == "nats"
-    assert "-js" in nats.pod["containers"][0]["args"], "JetStream on"
+    args = nats.pod["containers"][0]["args"]
+    assert "-js" in args and args[args.index("--cluster_name") + 1] == "kvpath", "clustered JetStream"
+    assert pods == set(range(nats.replicas)) and nats.replicas == 3 == configs[0].jetstream_replicas
+    routes = args[args.index("--routes") + 1].split(",")
+    assert {r.removeprefix("nats://").split(".")[0] for r in routes} == {f"nats-{i}" for i in pods}
+    (pdb,) = deployment.manifests.of_kind("PodDisruptionBudget")
+    assert (
+        pdb["spec"]["minAvailable"] == 2
+        and pdb["spec"]["selector"]["matchLabels"].items() <= nats.labels.items()
+    )
     engines = [c.parsed.config for c in deployment.kvpath if c.parsed.service == "engine"]
     assert len({(c.block_size, c.dtype) for c in engines}) == 1, "engines must agree on the KV format"
     sized = [c.parsed.config for c in deployment.kvpath if c.parsed.service in ("router", "engine")]

@@ -1,0 +1,73 @@
+"""`kvpath up --nats-cluster 3`: three nats-servers as one cluster, the KV-events stream and the registry
+replicated 3 ways. SIGKILL one server: requests keep being served, KV events keep reaching the index (a new
+prompt's second turn hits), the supervisor restarts the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cluster import UpProcess
+
+pytestmark = pytest.mark.slow
+RECOVER_S = 60.0
+
+
+def _complete(up: UpProcess, prompt: list[int]) -> dict[str, Any] | None:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}).encode()
+    req = urllib.request.Request(
+        f"{up.url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=15) as resp:
+            return json.loads(resp.read()) if resp.status == 200 else None
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def _cached(up: UpProcess, prompt: list[int]) -> int:
+    """Cached tokens of the prompt's next request, once a request succeeds (within the deadline)."""
+    deadline = time.monotonic() + RECOVER_S
+    while time.monotonic() < deadline:
+        out = _complete(up, prompt)
+        if out is not None:
+            return int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+        time.sleep(0.3)
+    raise AssertionError("no request succeeded in time")
+
+
+def _hits_on_second_turn(up: UpProcess, salt: int) -> bool:
+    prompt = [(i * 7 + salt) % 250 + 3 for i in range(200)]  # 3 full blocks of 64
+    _cached(up, prompt)
+    deadline = time.monotonic() + RECOVER_S  # persisting and indexing happen after the first reply
+    while time.monotonic() < deadline:
+        if _cached(up, prompt) >= 128:
+            return True
+        time.sleep(0.3)
+    return False
+
+
+def test_losing_one_of_three_nats_servers_loses_nothing(tmp_path: Path) -> None:
+    up = UpProcess(tmp_path, "--nats-cluster", "3", "--kv-root", str(tmp_path / "kv"))
+    try:
+        assert len(up.info["nats_url"].split(",")) == 3
+        assert _hits_on_second_turn(up, salt=1)
+        state = json.loads(Path(up.info["supervisor_file"]).read_text())
+        assert {"nats-0", "nats-1", "nats-2"} <= state.keys()
+        os.kill(state["nats-1"]["pid"], signal.SIGKILL)
+        assert _hits_on_second_turn(up, salt=2)  # served, persisted and indexed with one server down
+        deadline = time.monotonic() + RECOVER_S
+        while json.loads(Path(up.info["supervisor_file"]).read_text())["nats-1"]["restarts"] != 1:
+            assert time.monotonic() < deadline, "nats-1 was not restarted"
+            time.sleep(0.2)
+        assert _hits_on_second_turn(up, salt=1)  # the first prompt's blocks survived in the index
+    finally:
+        assert up.stop() == 0, up.log()
