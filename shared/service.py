@@ -27,7 +27,8 @@ from typing import Any, ClassVar, TypeVar
 from aiohttp import web
 
 from shared import telemetry
-from shared.bus import Bus, NatsAuth, Registry
+from shared.bus import Bus, Registry
+from shared.bus_auth import NatsAuth
 from shared.config import BaseConfig, add_config_args, config_from_args
 from shared.errors import KvpathError
 from shared.logs import setup_logging

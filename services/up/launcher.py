@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -28,7 +27,6 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -36,6 +34,7 @@ import aiohttp
 from gpu.model_spec import DEFAULT_MODEL, EMBEDDED_MODELS, PACKAGED_MODELS
 from services.policy.ampd import SESSION_COLOCATED
 from services.policy.colocated import BELUGA, CACHE_AWARE, COLOCATED, COLOCATED_POLICIES
+from services.up.supervision import Child, RestartPolicy, all_healthy, die_with_parent, tail, write_atomically
 from services.up.topology import ClusterSpec, ProcessSpec, cluster_processes
 from shared.bus import Bus, Registry
 from shared.errors import KvpathError, ServiceUnavailableError
@@ -154,43 +153,6 @@ def _run(args: argparse.Namespace) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM if `kvpath up` dies, so nothing is orphaned."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-@dataclass(slots=True, frozen=True)
-class RestartPolicy:
-    """When a child that exited is started again: after `initial_backoff_s`, doubling with every restart
-    inside the window up to `max_backoff_s`; never when it exited more than `max_restarts` times within the
-    last `window_s` (a crash loop: restarting would only hide it)."""
-
-    initial_backoff_s: float = 0.5
-    max_backoff_s: float = 10.0
-    max_restarts: int = 5
-    window_s: float = 60.0
-
-    def backoff_s(self, exits: list[float], now: float) -> float | None:
-        """Seconds to wait before the next start, given the child's exit times (the last one just now);
-        None: give up."""
-        recent = [t for t in exits if now - t <= self.window_s]
-        if len(recent) > self.max_restarts:
-            return None
-        return min(self.max_backoff_s, self.initial_backoff_s * 2 ** max(0, len(recent) - 1))
-
-
-@dataclass(slots=True)
-class Child:
-    spec: ProcessSpec
-    proc: subprocess.Popen[bytes]
-    log_path: str
-    exits: list[float] = field(default_factory=list)  # monotonic times it exited
-    restarts: int = 0
-    last_exit_code: int | None = None
-    restart_at: float | None = None  # monotonic time of its scheduled restart
-
-
 class LocalCluster:
     def __init__(
         self,
@@ -242,7 +204,7 @@ class LocalCluster:
                 "tmp_dir": self.tmp_dir,
                 "supervisor_file": self.supervisor_file,
             }
-            await asyncio.to_thread(_write_atomically, Path(ready_file), json.dumps(info))
+            await asyncio.to_thread(write_atomically, Path(ready_file), json.dumps(info))
         code = await self._watch()
         self._shutdown()
         return code
@@ -275,7 +237,7 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "services.cli", "serve", pspec.service, *pspec.args]
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
             )
         log.info("started %s pid=%d log=%s", pspec.name, proc.pid, log_path)
         return Child(pspec, proc, log_path)
@@ -292,7 +254,7 @@ class LocalCluster:
                 while True:
                     self._check_children()
                     ready = {s.service_id: s for s in await registry.list() if s.status == "ready"}
-                    if want <= ready.keys() and await _all_healthy(
+                    if want <= ready.keys() and await all_healthy(
                         http, [ready[n] for n in want], num_engines
                     ):
                         self.service_urls = {n: ready[n].http_url for n in sorted(want)}
@@ -312,7 +274,7 @@ class LocalCluster:
             code = child.proc.poll()
             if code is not None:
                 raise ServiceUnavailableError(
-                    f"{child.spec.name} exited with code {code}:\n{_tail(child.log_path)}"
+                    f"{child.spec.name} exited with code {code}:\n{tail(child.log_path)}"
                 )
 
     async def _watch(self) -> int:
@@ -346,12 +308,12 @@ class LocalCluster:
                     "%s keeps crashing (%d exits within %.0f s, last code %s); stopping the cluster; "
                     "its log: %s\n%s",
                     child.spec.name, len(child.exits), self.restart_policy.window_s, code, child.log_path,
-                    _tail(child.log_path),
+                    tail(child.log_path),
                 )  # fmt: skip
                 return False
             log.error(
                 "%s exited with code %s; restarting it in %.1f s\n%s",
-                child.spec.name, code, delay, _tail(child.log_path, 10),
+                child.spec.name, code, delay, tail(child.log_path, 10),
             )  # fmt: skip
             child.restart_at = now + delay
             return True
@@ -405,7 +367,7 @@ class LocalCluster:
         for i, server in enumerate(self.nats.servers if self.nats is not None else []):
             if server.proc is not None:
                 state[self._nats_name(i)] = {"pid": server.proc.pid, "restarts": self.nats_restarts.get(i, 0)}
-        _write_atomically(Path(self.supervisor_file), json.dumps(state, indent=1))
+        write_atomically(Path(self.supervisor_file), json.dumps(state, indent=1))
 
     def _shutdown(self, timeout_s: float = 15.0) -> None:
         # router first (stops taking requests), then engines, then storage and index
@@ -425,34 +387,7 @@ class LocalCluster:
         remove_segments(f"kvpath-{self.namespace}-")  # node buffers of services that had to be killed
 
 
-async def _all_healthy(http: aiohttp.ClientSession, services: list[ServiceInfo], num_engines: int) -> bool:
-    """Every service answers /health with 200, and the router already sees every engine's load reports."""
-    for info in services:
-        try:
-            async with http.get(f"{info.http_url}/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                if resp.status != 200:
-                    return False
-                if info.service_kind == "router" and (await resp.json()).get("engines", 0) < num_engines:
-                    return False
-        except (aiohttp.ClientError, TimeoutError):
-            return False
-    return True
-
-
 def _materialize_model(model: str) -> None:
     from gpu.model_spec import resolve_model
 
     resolve_model(model)
-
-
-def _tail(path: str, lines: int = 30) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

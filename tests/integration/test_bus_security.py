@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from nats.aio.msg import Msg
 
-from shared.bus import Bus, NatsAuth, redact_url
+from shared.bus import Bus
+from shared.bus_auth import NatsAuth, redact_url
 from shared.errors import ConfigError, ServiceUnavailableError
 from shared.natsserver import NatsServer
 
