@@ -59,8 +59,8 @@ class SamplingOptions:
         """Raise InvalidRequestError naming the first bad option (call before the request joins a batch)."""
         if not self.temperature >= 0:
             raise InvalidRequestError(f"temperature={self.temperature} must be >= 0", param="temperature")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p={self.top_p} must be in (0, 1]", param="top_p")
+        if not 0 <= self.top_p <= 1:  # 0: only the most likely token
+            raise InvalidRequestError(f"top_p={self.top_p} must be in [0, 1]", param="top_p")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k={self.top_k} must be >= 0 (0: no limit)", param="top_k")
         if not 0 <= self.min_p <= 1:

@@ -8,8 +8,10 @@ this prompt's tokens). A plan that fails is refused as invalid: it was hashed fo
 
 from __future__ import annotations
 
+import time
+
 from shared.blocks import blocks_for, max_hit_blocks
-from shared.errors import ContextLengthExceededError, InvalidRequestError
+from shared.errors import ContextLengthExceededError, DeadlineExceededError, InvalidRequestError
 from shared.hashing import next_block_hash
 from shared.protocol import RequestPlan
 from shared.protocol.tasks import READ_SIDES
@@ -20,6 +22,8 @@ def check_prompt(
 ) -> None:
     prompt, max_tokens = plan.prompt_token_ids, plan.sampling.max_tokens
     n = len(prompt)
+    if plan.deadline_unix_s < time.time():
+        raise DeadlineExceededError(f"request {plan.request_id} arrived past its deadline")
     if n == 0 or n + max_tokens > max_model_len:
         raise ContextLengthExceededError(
             f"prompt of {n} tokens + max_tokens {max_tokens} exceeds the context of {max_model_len}",

@@ -24,6 +24,7 @@ from services.engine.outbox import Outgoing, Publish, TokenOutbox
 from services.engine.sampling import sampling_options
 from services.engine.scheduler import EngineScheduler, PrefillChunk, StepPlan
 from services.engine.sequence import SeqStatus, Sequence
+from services.engine.step_faults import retry_alone
 from services.engine.stopping import check_stop
 from services.policy.batching import AttentionShape, BatchingLimits
 from services.policy.quota import QuotaPlanner, RateMeter
@@ -174,11 +175,11 @@ class EngineCore:
                 self.connector.release(seq)
             try:
                 tokens = await self._execute(plan)
-            except Exception as exc:
+            except Exception as exc:  # find the sequence(s) at fault: only they fail (step_faults.py)
                 log.exception("step failed engine=%s", self.engine_id)
-                out += self._fail_plan(plan, exc)
-            else:
-                out += self._apply(plan, tokens)
+                plan, tokens, failed = await retry_alone(self._execute, plan, exc, self.config.role)
+                out += [self._finish(seq, "error") for seq in failed]
+            out += self._apply(plan, tokens)
             self.step_count += 1
             self.outbox.step = self.step_count
             await self.outbox.flush(out)
@@ -307,15 +308,6 @@ class EngineCore:
         if reason is None and self.config.role == "prefill":
             reason = "handoff"  # the decode engine takes it from here
         return self._finish(seq, reason) if reason else self._delta(seq)
-
-    def _fail_plan(self, plan: StepPlan, exc: Exception) -> list[Outgoing]:
-        seqs = {c.seq: None for c in plan.prefill} | {s: None for s in plan.decode}
-        out = []
-        for seq in seqs:
-            seq.error_code = "engine_failed"
-            seq.error_message = f"model step failed: {type(exc).__name__}: {exc}"
-            out.append(self._finish(seq, "error"))
-        return out
 
     def _finish(self, seq: Sequence, reason: str) -> Outgoing:
         """The request leaves the engine: everything held for it is released here, and only here."""

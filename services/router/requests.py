@@ -12,6 +12,7 @@ from typing import Any
 
 from services.router.tools import ToolSpec, parse_tools, tool_fields
 from shared.errors import InvalidRequestError
+from shared.protocol.messages import SamplingParams
 
 MAX_STOP_SEQUENCES = 4
 _SESSION_HEADER = "X-Session-Id"
@@ -62,6 +63,13 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt's text before the completion
     tools: ToolSpec | None = None  # chat: the functions the model may call, and how
     response_format: dict[str, Any] | None = None  # {"type": "json_object" | "json_schema", ...}
+
+
+def _range(name: str) -> tuple[float, float]:
+    """The bus schema's range of a sampling parameter (SamplingParams.RANGES): one source for both."""
+    lo, hi = SamplingParams.RANGES[name]
+    assert lo is not None and hi is not None
+    return lo, hi
 
 
 def _bad(message: str, param: str) -> InvalidRequestError:
@@ -155,8 +163,8 @@ def _common(body: dict[str, Any], endpoint: str, session_id: str) -> GenerationR
         endpoint=endpoint,
         model=model,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        temperature=_number(body, "temperature", 1.0, *_range("temperature")),
+        top_p=_number(body, "top_p", 1.0, *_range("top_p")),
         seed=seed,
         stop=_stop(body),
         stop_token_ids=_token_ids(body.get("stop_token_ids", []), "stop_token_ids"),
@@ -168,10 +176,10 @@ def _common(body: dict[str, Any], endpoint: str, session_id: str) -> GenerationR
         session_id=session_id or (user or ""),
         n=n,
         top_k=_top_k(body),
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        min_p=_number(body, "min_p", 0.0, *_range("min_p")),
         repetition_penalty=_repetition_penalty(body),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, *_range("presence_penalty")),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, *_range("frequency_penalty")),
         logit_bias=_logit_bias(body),
         response_format=_response_format(body),
     )
@@ -185,7 +193,7 @@ def _top_k(body: dict[str, Any]) -> int:
 
 
 def _repetition_penalty(body: dict[str, Any]) -> float:
-    value = _number(body, "repetition_penalty", 1.0, 0.0, 10.0)
+    value = _number(body, "repetition_penalty", 1.0, *_range("repetition_penalty"))
     if value <= 0:
         raise _bad("'repetition_penalty' must be > 0", "repetition_penalty")
     return value
@@ -247,8 +255,10 @@ def parse_completion(body: Any, session_id: str = "") -> GenerationRequest:
         req.prompt_text = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         req.prompt_token_ids = _token_ids(prompt, "prompt")
-    elif isinstance(prompt, list) and len(prompt) > 1:
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
         raise _bad("only one prompt per request is supported", "prompt")
+    elif isinstance(prompt, list) and prompt:
+        raise _bad("'prompt' as token ids must be a list of integers (no floats, strings or bools)", "prompt")
     else:
         raise _bad("'prompt' must be a string or a list of token ids", "prompt")
     return req

@@ -21,6 +21,7 @@ from shared.errors import ProtocolError
 M = TypeVar("M", bound="Message")
 
 PROTOCOL_VERSION = 1
+U64_MAX = (1 << 64) - 1  # block hashes travel as unsigned 64-bit integers
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -29,6 +30,9 @@ class Message:
 
     KIND: ClassVar[str] = ""
     VERSION: ClassVar[int] = PROTOCOL_VERSION
+    # field -> (lowest, highest) allowed, inclusive (None: unbounded on that side); checked on receipt, and
+    # the router's HTTP validation uses the same ranges (one schema per message)
+    RANGES: ClassVar[dict[str, tuple[float | None, float | None]]] = {}
     # high-volume kinds leave fields at their defaults off the wire (decode fills them back in)
     OMIT_DEFAULTS: ClassVar[bool] = False
 
@@ -134,7 +138,27 @@ def _build(cls: type[Message], obj: dict[str, Any], where: str) -> Message:
             kwargs[name] = checker(obj[name], f"{where}.{name}")
         elif required:
             raise ProtocolError(f"{where}: missing field {name!r}", param=name)
-    return cls(**kwargs)
+    for name, (lo, hi) in cls.RANGES.items():
+        value = kwargs.get(name)
+        if value is None:
+            continue
+        for v in value if isinstance(value, list) else (value,):
+            if v != v or (lo is not None and v < lo) or (hi is not None and v > hi):  # v != v: NaN
+                _fail(f"{where}.{name}", _describe_range(lo, hi), v)
+    msg = cls(**kwargs)
+    check = getattr(msg, "check", None)
+    if check is not None:
+        try:
+            check()
+        except ValueError as exc:  # cross-field rules of the message (`check` raises ValueError)
+            raise ProtocolError(f"{where}: {exc}") from None
+    return msg
+
+
+def _describe_range(lo: float | None, hi: float | None) -> str:
+    if lo is not None and hi is not None:
+        return f"a number in [{lo}, {hi}]"
+    return f"a number >= {lo}" if lo is not None else f"a number <= {hi}"
 
 
 def _compile(cls: type[Message]) -> list[tuple[str, _Checker, bool]]:

@@ -13,10 +13,17 @@ import dataclasses
 from dataclasses import field
 from typing import Any
 
-from shared.protocol.codec import Message, message
+from shared.protocol.codec import U64_MAX, Message, message
 
 TIER_STORE = "store"
-TIERS = ("hbm", "dram", "cxl", "store")
+TIERS = ("hbm", "dram", "cxl", "store", "held")  # held: chunks an engine pins for routed queries
+
+
+def check_location(location: str) -> None:
+    """ValueError unless `location` is `<tier>` or `<tier>:<id>` of a known tier and a plain id."""
+    tier, colon, ident = location.partition(":")
+    if tier not in TIERS or (colon and not ident.replace("-", "").replace("_", "").isalnum()):
+        raise ValueError(f"location {location!r} is not <tier>[:<id>] with a tier of {', '.join(TIERS)}")
 
 
 def location_tier(location: str) -> str:
@@ -48,18 +55,30 @@ class BlockStored(KvEvent):
     """Blocks became readable at `location`; `parent_hashes[i]` is block i's parent (chain structure)."""
 
     KIND = "kv_block_stored"
+    RANGES = {"block_hashes": (0, U64_MAX), "parent_hashes": (0, U64_MAX), "block_tokens": (0, 1 << 20)}
     location: str
     block_hashes: list[int]
     parent_hashes: list[int] = field(default_factory=list)
     block_tokens: int = 0
 
+    def check(self) -> None:
+        check_location(self.location)
+        if self.parent_hashes and len(self.parent_hashes) != len(self.block_hashes):
+            raise ValueError(
+                f"{len(self.parent_hashes)} parent hashes for {len(self.block_hashes)} blocks (0 or one each)"
+            )
+
 
 @message
 class BlockRemoved(KvEvent):
     KIND = "kv_block_removed"
+    RANGES = {"block_hashes": (0, U64_MAX)}
     location: str
     block_hashes: list[int]
     reason: str = ""  # evicted | corrupt | missing | released
+
+    def check(self) -> None:
+        check_location(self.location)
 
 
 @message

@@ -11,7 +11,7 @@ from dataclasses import field
 from typing import Any
 
 from shared.errors import KvpathError
-from shared.protocol.codec import Message, message
+from shared.protocol.codec import U64_MAX, Message, message
 
 
 @message
@@ -93,6 +93,22 @@ class LoadReport(Message):
 @message
 class SamplingParams(Message):
     KIND = "sampling_params"
+    RANGES = {
+        "max_tokens": (1, None),
+        "temperature": (0.0, 2.0),
+        "top_p": (0.0, 1.0),  # 0: only the most likely token (OpenAI's range)
+        "seed": (-(1 << 63), U64_MAX),
+        "min_tokens": (0, None),
+        "stop_token_ids": (0, None),
+        "top_k": (0, None),
+        "min_p": (0.0, 1.0),
+        "repetition_penalty": (0.0, 10.0),  # and > 0 (check)
+        "presence_penalty": (-2.0, 2.0),
+        "frequency_penalty": (-2.0, 2.0),
+        "logit_bias_ids": (0, None),
+        "logit_bias_values": (-100.0, 100.0),
+        "logprobs": (-1, 20),
+    }
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -109,6 +125,12 @@ class SamplingParams(Message):
     logit_bias_values: list[float] = field(default_factory=list)
     logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the k most likely
     grammar: str = ""  # llguidance grammar (gpu.grammar) the output must match; "": unconstrained
+
+    def check(self) -> None:
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if len(self.logit_bias_ids) != len(self.logit_bias_values):
+            raise ValueError("logit_bias_ids and logit_bias_values differ in length")
 
 
 @message

@@ -27,8 +27,11 @@ import dataclasses
 from dataclasses import field
 from typing import Any
 
-from shared.protocol.codec import Message, message
+from shared.protocol.codec import U64_MAX, Message, message
 from shared.protocol.messages import SamplingParams
+from shared.protocol.subjects import check_token
+
+MAX_ID_CHARS = 256
 
 READ_SIDES = ("", "pe", "de")
 
@@ -44,9 +47,16 @@ class KvPlan(Message):
     """
 
     KIND = "kv_plan"
+    RANGES = {"block_hashes": (0, U64_MAX), "num_hit_blocks": (0, None)}
     block_hashes: list[int] = field(default_factory=list)
     num_hit_blocks: int = 0
     read_side: str = ""
+
+    def check(self) -> None:
+        if self.num_hit_blocks > len(self.block_hashes):
+            raise ValueError(f"num_hit_blocks {self.num_hit_blocks} > {len(self.block_hashes)} block hashes")
+        if self.read_side not in READ_SIDES:
+            raise ValueError(f"read_side {self.read_side!r} is not one of {READ_SIDES}")
 
 
 @message
@@ -54,6 +64,10 @@ class RequestPlan(Message):
     """Everything an engine needs of one request, in every task kind."""
 
     KIND = "request_plan"
+    RANGES = {
+        "prompt_token_ids": (0, None),  # and below the vocabulary size (the engine checks, it knows it)
+        "deadline_unix_s": (0.0, None),  # and not already passed (the engine checks on admission)
+    }
     request_id: str
     router_id: str  # token deltas go to tokens.<router_id>
     prompt_token_ids: list[int]
@@ -65,6 +79,11 @@ class RequestPlan(Message):
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def check(self) -> None:
+        check_token(self.router_id, "router id")  # deltas go to tokens.<router_id>: never a wildcard
+        if not self.request_id or len(self.request_id) > MAX_ID_CHARS:
+            raise ValueError(f"request_id must have 1 to {MAX_ID_CHARS} characters")
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)

@@ -4,12 +4,14 @@ deadlines, and token coalescing on the bus."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
+import orjson
 import pytest
 
 from shared.bus import Bus
-from shared.protocol import ErrorReply, TokenBatch, decode
+from shared.protocol import ErrorReply, GenerateTask, RequestPlan, SamplingParams, TaskAck, TokenBatch, decode
 from tests.cluster import Stack, wait_ready
 
 pytestmark = pytest.mark.slow
@@ -58,14 +60,47 @@ async def test_malformed_task_is_answered_and_engine_survives(stack: tuple[Stack
     s.start("router", "router-0", *ROUTER_ARGS, "--no-use-kv-cache")
     s.start("engine", "engine-0", "--no-persist-kv", "--no-load-kv")
     ready = await wait_ready(bus, {"router-0", "engine-0"}, s.procs)
-    for junk in (b"\x00garbage", b'{"kind": "generate_task", "v": 1, "request_id": 5}', b"[]"):
+    out_of_range = [  # well-formed, but outside the schema's ranges: refused at admission, never batched
+        _task({"sampling": {"temperature": -5}}),
+        _task({"sampling": {"max_tokens": -1}}),
+        _task({"router_id": "a.b.>"}),
+    ]
+    for junk in (b"\x00garbage", b'{"kind": "generate_task", "v": 1, "request_id": 5}', b"[]", *out_of_range):
         reply = await bus.nc.request(bus.subjects.task("engine-0"), junk, timeout=5)
         err = decode(reply.data, ErrorReply)
         assert err.code == "bad_message" and err.message
+    reply = await bus.nc.request(bus.subjects.task("engine-0"), _task({"deadline_unix_s": 1.0}), timeout=5)
+    ack = decode(reply.data, TaskAck)  # 1970: well-formed, refused by the engine
+    assert not ack.accepted and ack.code == "deadline_exceeded"
     async with aiohttp.ClientSession() as http:
-        body = {"model": "tiny", "prompt": "ok", "max_tokens": 3, "ignore_eos": True}
-        async with http.post(f"{ready['router-0'].http_url}/v1/completions", json=body) as resp:
-            assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 3
+        url = ready["router-0"].http_url
+        greedy = {"model": "tiny", "prompt": "ok", "max_tokens": 3, "ignore_eos": True, "temperature": 0}
+        bodies = [{**greedy, "top_p": 0.0}, greedy, {**greedy, "top_p": 0.5, "temperature": 1.0}]
+        results = await asyncio.gather(*(_complete(http, url, body) for body in bodies))
+    assert all(status == 200 for status, _ in results)
+    assert results[0][1]["choices"][0]["text"] == results[1][1]["choices"][0]["text"]  # top_p 0 is greedy
+    assert all(r["usage"]["completion_tokens"] == 3 for _, r in results)
+
+
+def _task(change: dict) -> bytes:
+    plan = RequestPlan(
+        request_id="junk-1",
+        router_id="router-0",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=4),
+        deadline_unix_s=time.time() + 30,
+    ).to_dict()
+    for key, value in change.items():
+        if isinstance(value, dict):
+            plan[key].update(value)
+        else:
+            plan[key] = value
+    return orjson.dumps({"kind": GenerateTask.KIND, "v": GenerateTask.VERSION, "plan": plan, "timings": {}})
+
+
+async def _complete(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
+    async with http.post(f"{url}/v1/completions", json=body) as resp:
+        return resp.status, await resp.json()
 
 
 async def test_request_deadline_is_504(stack: tuple[Stack, Bus]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from shared.errors import ProtocolError
@@ -17,6 +18,7 @@ from shared.protocol import (
     decode,
     encode,
 )
+from shared.protocol.kv import BlockRemoved, BlockStored
 from shared.protocol.tasks import BufferRef, DecodeTask, PrefillDone, PrefillTask, Task
 
 
@@ -114,3 +116,79 @@ def test_subjects_reject_wildcards() -> None:
     for bad in ("a.b", "a*", ">", "a b"):
         with pytest.raises(ValueError):
             subjects.task(bad)
+
+
+def _task(**overrides: object) -> dict:
+    """A valid generate task as plain JSON, with fields of its plan / sampling / KV plan replaced."""
+    plan = RequestPlan(
+        request_id="r1",
+        router_id="router-0",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=4),
+        deadline_unix_s=2e9,
+        kv=KvPlan(block_hashes=[5, 6], num_hit_blocks=1),
+    ).to_dict()
+    for path, value in overrides.items():
+        target = plan
+        *parents, name = path.split("__")
+        for parent in parents:
+            target = target[parent]
+        target[name] = value
+    return GenerateTask(plan=decode(orjson.dumps(plan), RequestPlan)).to_dict() | {"plan": plan}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"sampling__temperature": -5}, "sampling.temperature: expected a number in [0.0, 2.0], got -5.0"),
+        ({"sampling__top_p": 1.5}, "top_p: expected a number in [0.0, 1.0]"),
+        ({"sampling__max_tokens": -1}, "max_tokens: expected a number >= 1"),
+        (
+            {"sampling__logit_bias_values": [1.0, 101.0], "sampling__logit_bias_ids": [1, 2]},
+            "logit_bias_values",
+        ),
+        ({"sampling__logit_bias_ids": [1]}, "logit_bias_ids and logit_bias_values differ"),
+        ({"sampling__repetition_penalty": 0}, "repetition_penalty must be > 0"),
+        ({"router_id": "a.b.>"}, "router id 'a.b.>' cannot be a subject token"),
+        ({"request_id": ""}, "request_id must have 1 to"),
+        ({"prompt_token_ids": [1, -2]}, "prompt_token_ids: expected a number >= 0"),
+        ({"deadline_unix_s": -1}, "deadline_unix_s"),
+        ({"kv__num_hit_blocks": 3}, "num_hit_blocks 3 > 2 block hashes"),
+        ({"kv__block_hashes": [-3]}, "block_hashes: expected a number in [0, 18446744073709551615], got -3"),
+        ({"kv__read_side": "xx"}, "read_side 'xx'"),
+    ],
+)
+def test_out_of_range_tasks_are_rejected_on_receipt(overrides: dict, fragment: str) -> None:
+    with pytest.raises(ProtocolError) as err:
+        decode(orjson.dumps(_task(**overrides)), GenerateTask)
+    assert fragment in err.value.message
+
+
+def test_in_range_edges_are_accepted() -> None:
+    """OpenAI's edges: top_p 0 (greedy), temperature 0 and 2, penalties at +-2."""
+    edges = {"sampling__top_p": 0, "sampling__temperature": 2, "sampling__presence_penalty": -2}
+    task = decode(orjson.dumps(_task(**edges)), GenerateTask)
+    assert task.plan.sampling.top_p == 0.0 and task.plan.sampling.temperature == 2.0
+
+
+@pytest.mark.parametrize(
+    ("event", "fragment"),
+    [
+        (BlockStored(source="s", epoch=1, seq=1, location="bogus:x", block_hashes=[1]), "location 'bogus:x'"),
+        (BlockStored(source="s", epoch=1, seq=1, location="hbm:a.b", block_hashes=[1]), "location 'hbm:a.b'"),
+        (
+            BlockStored(source="s", epoch=1, seq=1, location="store", block_hashes=[1, 2], parent_hashes=[0]),
+            "1 parent",
+        ),
+        (BlockStored(source="s", epoch=1, seq=1, location="store", block_hashes=[-1]), "block_hashes"),
+        (BlockRemoved(source="s", epoch=1, seq=1, location="cxl:", block_hashes=[1]), "location 'cxl:'"),
+    ],
+)
+def test_forged_kv_events_are_rejected(event: BlockStored | BlockRemoved, fragment: str) -> None:
+    with pytest.raises(ProtocolError) as err:
+        decode(encode(event), (BlockStored, BlockRemoved))
+    assert fragment in err.value.message
+    good = BlockStored(
+        source="s", epoch=1, seq=1, location="hbm:engine-1", block_hashes=[1, 2], parent_hashes=[0, 1]
+    )
+    assert decode(encode(good), BlockStored) == good

@@ -195,6 +195,6 @@ async def test_inputs_are_checked(tiny_runner: ModelRunner) -> None:
         with pytest.raises(ContextLengthExceededError):
             await tiny_runner.decode([DecodeSeq("x", blocks * 200, tiny_runner.spec.max_model_len, 1)])
         with pytest.raises(InvalidRequestError, match="top_p"):
-            await tiny_runner.decode([DecodeSeq("x", blocks, 0, 1, sampling=SamplingOptions(top_p=0.0))])
+            await tiny_runner.decode([DecodeSeq("x", blocks, 0, 1, sampling=SamplingOptions(top_p=1.5))])
     finally:
         tiny_runner.kv.free(blocks)

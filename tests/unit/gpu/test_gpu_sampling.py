@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq
@@ -22,11 +23,14 @@ def test_temperature_zero_is_greedy() -> None:
     assert tokens == logits.argmax(dim=-1).tolist()
 
 
-def test_tiny_top_p_is_greedy() -> None:
+@pytest.mark.parametrize("top_p", [1e-6, 0.0])
+def test_tiny_top_p_is_greedy(top_p: float) -> None:
+    """top_p=0 is OpenAI's "only the most likely token", as a top_p just above it."""
     logits = logits_batch(6, seed=1)
     sampler = Sampler()
+    SamplingOptions(top_p=top_p).check()
     for _ in range(20):
-        tokens = draw(sampler, logits, [SamplingOptions(temperature=1.5, top_p=1e-6)] * 6, list("abcdef"))
+        tokens = draw(sampler, logits, [SamplingOptions(temperature=1.5, top_p=top_p)] * 6, list("abcdef"))
         assert tokens == logits.argmax(dim=-1).tolist()
 
 
