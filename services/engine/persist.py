@@ -5,8 +5,11 @@ segment (a memcpy on the loop, so the cache blocks may be freed right after) and
 task, under the hashes the router planned for the prompt (`Sequence.block_hashes`), extended here for the
 blocks generated tokens fill. A sequence's progress is its `PersistChain`, kept in its connector record.
 `finish` gives the awaitable a request's last token waits on: its writes durable and applied by the index
-(bounded by PERSIST_WAIT_S), so the next turn of a session hits them. A block that cannot be staged breaks
-the chain: later blocks of that sequence could never be matched, so they are not written either.
+(bounded by PERSIST_WAIT_S), so the next turn of a session hits them. No request waits on an index that is
+down or lagging: after one wait fails, finishing requests wait only for their writes to be durable until a
+background probe sees the index apply events again (it replays them from JetStream when it is back).
+A block that cannot be staged breaks the chain: later blocks of that sequence could never be matched, so
+they are not written either.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from shared.kvclient import IndexClient, StagedBlocks, StorageClient
 log = logging.getLogger(__name__)
 
 PERSIST_WAIT_S = 2.0  # longest a finished request waits for its blocks to become durable
+INDEX_PROBE_S = 5.0  # one wait of the probe that watches a lagging index catch up
 
 
 @dataclass(slots=True)
@@ -57,6 +61,7 @@ class BlockPersister:
         self.block_size = block_size
         self.seed = fingerprint_seed(client.fingerprint)
         self._tasks: set[asyncio.Future[Any]] = set()  # every write in flight (cancelled on close)
+        self.index_lagging = False  # requests do not wait on the index (a probe watches it catch up)
 
     def persist(self, seq: Sequence, chain: PersistChain) -> None:
         """Write the sequence's blocks that became full since the last call."""
@@ -108,13 +113,31 @@ class BlockPersister:
         done, pending = await asyncio.wait(writes, timeout=PERSIST_WAIT_S)  # pending ones keep writing
         stream_seqs = [t.result() for t in done if not t.cancelled() and t.exception() is None]
         last = max(stream_seqs, default=0)
-        if last and not pending:
+        if last and not pending and not self.index_lagging:
             try:
-                await self.index.wait_applied(last, timeout_s=max(0.01, deadline - time.monotonic()))
+                remaining = max(0.01, deadline - time.monotonic())
+                await self.index.wait_applied(last, timeout_s=remaining, fail_fast=True)
             except KvpathError as exc:
-                log.warning(
-                    "index lag request_id=%s: %s", request_id, exc.message, extra={"request_id": request_id}
-                )
+                if not self.index_lagging:
+                    log.warning("index lags (%s): requests stop waiting for it until it is back", exc.message)
+                    self.index_lagging = True
+                    self._spawn(self._watch_index(last))
+
+    async def _watch_index(self, stream_seq: int) -> None:
+        """Until the index applied `stream_seq`: then requests wait for it again."""
+        while True:
+            try:
+                await self.index.wait_applied(stream_seq, timeout_s=INDEX_PROBE_S)
+            except KvpathError:
+                continue  # wait_applied paces its own polls
+            log.info("index caught up (stream seq %d): requests wait for it again", stream_seq)
+            self.index_lagging = False
+            return
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
         tasks = list(self._tasks)

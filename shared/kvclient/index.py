@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -52,8 +51,9 @@ class IndexClient:
             self.bus.subjects.index_stats, IndexStatsRequest(), IndexStats, timeout_s=timeout_s
         )
 
-    async def wait_applied(self, stream_seq: int, *, timeout_s: float) -> IndexStats:
-        """Wait until the index has applied the KV event at `stream_seq` (e.g. a write's event)."""
+    async def wait_applied(self, stream_seq: int, *, timeout_s: float, fail_fast: bool = False) -> IndexStats:
+        """Wait until the index has applied the KV event at `stream_seq` (e.g. a write's event).
+        `fail_fast`: no index answering at all is a ServiceUnavailableError at once (not polled)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         delay_s = 0.005
@@ -63,8 +63,14 @@ class IndexClient:
                 raise DeadlineExceededError(
                     f"index did not apply stream seq {stream_seq} within {timeout_s}s"
                 )
-            with contextlib.suppress(ServiceUnavailableError, DeadlineExceededError):
+            try:
                 stats = await self.stats(timeout_s=min(remaining, _CONTROL_TIMEOUT_S))
+            except ServiceUnavailableError:
+                if fail_fast:
+                    raise
+            except DeadlineExceededError:
+                pass
+            else:
                 if stats.applied_stream_seq >= stream_seq:
                     return stats
             await asyncio.sleep(min(delay_s, max(0.0, deadline - loop.time())))
