@@ -1,12 +1,18 @@
 """Block hashes: XXH3-64 chained over the parent hash, salted by the model fingerprint.
 
     h_{-1} = xxh3_64(fingerprint)                       (`fingerprint_seed`)
+    h_{-1} = xxh3_64(u64le(seed) || u64le(salt))          (`chain_root`, when a request carries a salt)
     h_i    = xxh3_64(u64le(h_{i-1}) || u32le(token ids of block i))
 
 Only full blocks are hashed. The hash of block i names the whole prefix up to and including block i, so a
 prompt's block hashes form a chain whose longest stored prefix is the cache hit. The salt makes two models
 (or one model with another block size or KV dtype) never share a hash. Everything is fixed-width
 little-endian and seedless, so every process on every host computes the same values (never `hash()`).
+
+A cache salt (`kv_salt`: the caller's tenant and the request's `cache_salt`) changes the chain's root, so
+requests share cached KV only when they carry the same salt (vLLM's rule): the KV of one tenant's prompt is
+never a hit for another's, and `cached_tokens` cannot tell anyone what someone else sent. Salt 0 (no tenant,
+no cache_salt) is the unsalted chain.
 """
 
 from __future__ import annotations
@@ -25,6 +31,20 @@ def fingerprint_seed(fingerprint: str) -> int:
     if not fingerprint:
         raise ValueError("model fingerprint must not be empty")
     return xxhash.xxh3_64_intdigest(fingerprint.encode())
+
+
+def kv_salt(tenant: str, cache_salt: str) -> int:
+    """The 64-bit salt of a request's block chain; 0 when it has neither a tenant nor a cache_salt."""
+    if not tenant and not cache_salt:
+        return 0
+    return xxhash.xxh3_64_intdigest(b"kvpath-salt1\0" + tenant.encode() + b"\0" + cache_salt.encode()) or 1
+
+
+def chain_root(seed: int, salt: int) -> int:
+    """The parent of a chain's first block: the fingerprint seed, mixed with the request's salt if any."""
+    if not salt:
+        return seed
+    return xxhash.xxh3_64_intdigest(int(seed).to_bytes(8, "little") + int(salt).to_bytes(8, "little"))
 
 
 def model_fingerprint(architecture: str, *, dtype: str, block_size: int, **dims: int | str) -> str:
@@ -71,7 +91,9 @@ def next_block_hash(parent: int, block_tokens: Sequence[int] | np.ndarray) -> in
     return h.intdigest()
 
 
-def block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, fingerprint: str) -> list[int]:
+def block_hashes(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, fingerprint: str, salt: int = 0
+) -> list[int]:
     """One chained hash per FULL block of `token_ids` (a trailing partial block is not hashed)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
@@ -85,7 +107,7 @@ def block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, fingerp
     parent_words = rows[:, :2].view("<u8").reshape(num_blocks)
     digest = xxhash.xxh3_64_intdigest
     out: list[int] = []
-    parent = fingerprint_seed(fingerprint)
+    parent = chain_root(fingerprint_seed(fingerprint), salt)
     for i in range(num_blocks):
         parent_words[i] = parent
         parent = digest(rows[i])
@@ -93,6 +115,6 @@ def block_hashes(token_ids: Sequence[int] | np.ndarray, block_size: int, fingerp
     return out
 
 
-def block_parents(hashes: Sequence[int], fingerprint: str) -> list[int]:
-    """The parent hash of each block of a chain: the fingerprint seed, then the previous block's hash."""
-    return [fingerprint_seed(fingerprint), *hashes[:-1]] if len(hashes) else []
+def block_parents(hashes: Sequence[int], fingerprint: str, salt: int = 0) -> list[int]:
+    """The parent hash of each block of a chain: its root, then the previous block's hash."""
+    return [chain_root(fingerprint_seed(fingerprint), salt), *hashes[:-1]] if len(hashes) else []

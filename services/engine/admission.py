@@ -12,7 +12,7 @@ import time
 
 from shared.blocks import blocks_for, max_hit_blocks
 from shared.errors import ContextLengthExceededError, DeadlineExceededError, InvalidRequestError
-from shared.hashing import next_block_hash
+from shared.hashing import chain_root, next_block_hash
 from shared.protocol import RequestPlan
 from shared.protocol.tasks import READ_SIDES
 
@@ -55,11 +55,12 @@ def check_kv_plan(plan: RequestPlan, *, block_size: int, seed: int) -> None:
         raise InvalidRequestError(f"KV plan read side {kv.read_side!r}", param="kv.read_side")
     if not hashes:
         return
-    if next_block_hash(seed, prompt[:block_size]) != hashes[0]:
+    root = chain_root(seed, kv.salt)
+    if next_block_hash(root, prompt[:block_size]) != hashes[0]:
         raise InvalidRequestError(
             "KV plan was hashed for another KV format (model, dtype or block size)", param="kv.block_hashes"
         )
     last = num_blocks - 1
-    parent = hashes[last - 1] if last else seed
+    parent = hashes[last - 1] if last else root
     if next_block_hash(parent, prompt[last * block_size : num_blocks * block_size]) != hashes[last]:
         raise InvalidRequestError("KV plan block hashes do not match the prompt", param="kv.block_hashes")

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from gpu.runner import LayerHook, PrefillSeq
 from services.engine.connector import KvConnector
 from services.engine.node_storage import NodeStorage
-from services.engine.persist import PersistChain, extend_hashes
+from services.engine.persist import PersistChain, extend_hashes, root_of
 from services.engine.scheduler import PrefillChunk
 from services.engine.sequence import Sequence
 from shared.blocks import max_hit_blocks
@@ -177,7 +177,7 @@ class ColocatedConnector(KvConnector):
         if full <= start:
             return
         hashes = extend_hashes(seq, full, self.persister.seed, self.block_size)
-        parent = hashes[start - 1] if start else self.persister.seed
+        parent = hashes[start - 1] if start else root_of(seq, self.persister.seed)
         assert self.pool is not None
         commit = self.pool.write(seq, start, full, parent)
         record.num_pool_blocks = full

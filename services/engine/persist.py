@@ -25,7 +25,7 @@ from services.engine import metrics
 from services.engine.sequence import Sequence
 from shared import telemetry
 from shared.errors import KvpathError
-from shared.hashing import fingerprint_seed, next_block_hash
+from shared.hashing import chain_root, fingerprint_seed, next_block_hash
 from shared.kvclient import IndexClient, StagedBlocks, StorageClient
 
 log = logging.getLogger(__name__)
@@ -43,10 +43,15 @@ class PersistChain:
     writes: list[asyncio.Task[int]] = field(default_factory=list)
 
 
+def root_of(seq: Sequence, seed: int) -> int:
+    """The parent hash of the sequence's first block: the fingerprint seed, salted by its plan's salt."""
+    return chain_root(seed, seq.plan.kv.salt)
+
+
 def extend_hashes(seq: Sequence, num_blocks: int, seed: int, block_size: int) -> list[int]:
     """`seq.block_hashes`, extended (in place) to cover its first `num_blocks` full blocks."""
     hashes = seq.block_hashes
-    parent = hashes[-1] if hashes else seed
+    parent = hashes[-1] if hashes else root_of(seq, seed)
     for i in range(len(hashes), num_blocks):
         parent = next_block_hash(parent, seq.token_ids(i * block_size, (i + 1) * block_size))
         hashes.append(parent)
@@ -78,7 +83,7 @@ class BlockPersister:
         self.kv.export_blocks(seq.block_ids[start:full], staged.views)
         chained = extend_hashes(seq, full, self.seed, self.block_size)
         hashes = chained[start:full]
-        parents = [chained[start - 1] if start else self.seed, *hashes[:-1]]
+        parents = [chained[start - 1] if start else root_of(seq, self.seed), *hashes[:-1]]
         chain.num_persisted_blocks = full
         # the write's bus request (and the storage service's span) belongs to the request's trace
         context = telemetry.task_context(seq.trace.parent) if seq.trace is not None else None

@@ -33,6 +33,7 @@ from services.engine.remote_events import CacheAnnouncer
 from services.engine.sequence import Sequence
 from shared.blocks import BlockLayout, full_blocks_view
 from shared.errors import ConfigError, KvpathError, ServiceUnavailableError
+from shared.hashing import chain_root
 from shared.protocol.kv import RemoteKvTarget
 from shared.transport import KvReceiver
 
@@ -162,7 +163,7 @@ class RemoteTier:
                 if stop_at_held:
                     break
                 continue
-            parent = hashes[c * cb - 1] if c else self.seed
+            parent = hashes[c * cb - 1] if c else chain_root(self.seed, seq.plan.kv.salt)
             entry, evicted = self.cache.reserve(key, hashes[c * cb : (c + 1) * cb], parent)
             if evicted:
                 metrics.REMOTE_CACHE_EVICTIONS.inc(len(evicted))

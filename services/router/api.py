@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 
 from services.router import metrics, tokenize_api
+from services.router.auth import TENANT
 from services.router.choices import merged_pieces
 from services.router.core import Piece, RouterCore, Usage
 from services.router.prompts import PreparedPrompt, prepare_prompt
@@ -123,7 +124,9 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, parse: Callable[[Any, str], GenerationRequest]) -> web.StreamResponse:
     ctx = request.app[API_CONTEXT]
     try:
-        prompt = _prepare(ctx, parse(await _json_body(request), session_header(request.headers)))
+        parsed = parse(await _json_body(request), session_header(request.headers))
+        parsed.tenant = request.get(TENANT, "")  # salts its KV chain: tenants never share cached KV
+        prompt = _prepare(ctx, parsed)
     except KvpathError as exc:
         metrics.REQUESTS.labels("?", exc.code).inc()
         return error_response(exc, ctx.retry_after_s)

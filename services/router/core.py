@@ -34,6 +34,7 @@ from shared.errors import (
     OverloadedError,
     error_from_code,
 )
+from shared.hashing import kv_salt
 from shared.protocol import LoadReport, RequestPlan, SamplingParams, TokenBatch, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,8 @@ class RouterCore:
         if kv_format is None:
             raise NoEngineAvailableError("no engine has reported yet")
         sampling = sampling_params(prompt, choice)
-        planned = await self.kv_planner.plan(prompt.token_ids, kv_format, request_id)
+        salt = kv_salt(prompt.request.tenant, prompt.request.cache_salt)
+        planned = await self.kv_planner.plan(prompt.token_ids, kv_format, request_id, salt)
         plan = RequestPlan(
             request_id=request_id,
             router_id=self.router_id,

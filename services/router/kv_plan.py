@@ -42,14 +42,17 @@ class KvPlanner:
         self.index = IndexClient(bus) if use_index else None
         self.timeout_s = timeout_s
 
-    async def plan(self, token_ids: list[int], kv_format: KvFormat, request_id: str) -> PlannedKv:
-        hashes = block_hashes(token_ids, kv_format.block_size, kv_format.fingerprint)
+    async def plan(
+        self, token_ids: list[int], kv_format: KvFormat, request_id: str, salt: int = 0
+    ) -> PlannedKv:
+        """`salt`: the request's chain salt (`shared.hashing.kv_salt`): only equally salted requests hit."""
+        hashes = block_hashes(token_ids, kv_format.block_size, kv_format.fingerprint, salt)
         usable = hashes[: max_hit_blocks(len(token_ids), kv_format.block_size)]
         if self.index is None or not usable:
-            return PlannedKv(KvPlan(block_hashes=hashes))
+            return PlannedKv(KvPlan(block_hashes=hashes, salt=salt))
         result = await self._lookup(usable, request_id)
         hits = min(result.num_hit_blocks, len(usable))
-        return PlannedKv(KvPlan(block_hashes=hashes, num_hit_blocks=hits), result.per_location)
+        return PlannedKv(KvPlan(block_hashes=hashes, num_hit_blocks=hits, salt=salt), result.per_location)
 
     async def _lookup(self, hashes: list[int], request_id: str) -> MatchResult:
         assert self.index is not None

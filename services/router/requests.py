@@ -19,6 +19,7 @@ _SESSION_HEADER = "X-Session-Id"
 
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 1024
 
 # Parameters OpenAI defines that kvpath does not implement: accepted only at their neutral value.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -63,6 +64,8 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt's text before the completion
     tools: ToolSpec | None = None  # chat: the functions the model may call, and how
     response_format: dict[str, Any] | None = None  # {"type": "json_object" | "json_schema", ...}
+    cache_salt: str = ""  # vLLM's extension: requests share cached KV only with the same salt (and tenant)
+    tenant: str = ""  # the caller's tenant (services/router/auth.py), set by the API after parsing
 
 
 def _range(name: str) -> tuple[float, float]:
@@ -182,7 +185,17 @@ def _common(body: dict[str, Any], endpoint: str, session_id: str) -> GenerationR
         frequency_penalty=_number(body, "frequency_penalty", 0.0, *_range("frequency_penalty")),
         logit_bias=_logit_bias(body),
         response_format=_response_format(body),
+        cache_salt=_cache_salt(body),
     )
+
+
+def _cache_salt(body: dict[str, Any]) -> str:
+    value = body.get("cache_salt")
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_CACHE_SALT_CHARS:
+        raise _bad(f"'cache_salt' must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
+    return value
 
 
 def _top_k(body: dict[str, Any]) -> int:

@@ -47,10 +47,11 @@ class KvPlan(Message):
     """
 
     KIND = "kv_plan"
-    RANGES = {"block_hashes": (0, U64_MAX), "num_hit_blocks": (0, None)}
+    RANGES = {"block_hashes": (0, U64_MAX), "num_hit_blocks": (0, None), "salt": (0, U64_MAX)}
     block_hashes: list[int] = field(default_factory=list)
     num_hit_blocks: int = 0
     read_side: str = ""
+    salt: int = 0  # the chain's salt (shared.hashing.kv_salt: tenant and cache_salt); 0: unsalted
 
     def check(self) -> None:
         if self.num_hit_blocks > len(self.block_hashes):

@@ -51,3 +51,46 @@ def test_key_tenants_and_constant_work() -> None:
     solo = keys.tenant_of("bearer sk-solo-key-456")
     assert solo.startswith("key-") and solo != keys.tenant_of("Bearer sk-dev-key-123")
     assert not ApiKeys.load([], "").enabled
+
+
+async def test_tenants_share_cached_kv_only_with_the_same_salt(
+    stack: tuple[Stack, Bus], tmp_path: Path
+) -> None:
+    """The attack of the issue: tenant B sends tenant A's prompt and reads `cached_tokens`. With tenants
+    salting the chain, B never hits A's blocks (so learns nothing), A still hits its own, and `cache_salt`
+    splits one tenant's cache further; tokens stay those of a recompute."""
+    s, bus = stack
+    key_file = tmp_path / "keys"
+    key_file.write_text(KEYS)
+    s.start("index", "index-0")
+    s.start("storage", "storage-0", "--root", str(tmp_path / "store"))
+    s.start("engine", "engine-0")
+    s.start("router", "router-0", "--http-port", "0", "--api-key-file", str(key_file))
+    url = (await wait_ready(bus, {"index-0", "storage-0", "engine-0", "router-0"}, s.procs))[
+        "router-0"
+    ].http_url
+    prompt = [(j * 7) % 240 + 3 for j in range(200)]  # 3 full blocks of 64: 192 cacheable tokens
+    a = {"Authorization": "Bearer sk-team-a-0123456789"}
+    b = {"Authorization": "Bearer sk-team-b-9876543210"}
+
+    async def cached(headers: dict[str, str], **extra: str) -> tuple[int, list[int]]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        body |= {"return_token_ids": True, **extra}
+        async with http.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+            out = await resp.json()
+        return out["usage"]["prompt_tokens_details"]["cached_tokens"], out["choices"][0]["token_ids"]
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        first = await cached(a)
+        assert first[0] == 0
+        assert await cached(a) == (192, first[1])  # a tenant hits its own blocks
+        assert await cached(b) == (0, first[1])  # another tenant: never a hit, nothing to learn
+        assert await cached(b) == (192, first[1])  # ... but its own blocks now
+        assert await cached(a, cache_salt="project-x") == (0, first[1])  # a salt splits the tenant's cache
+        assert await cached(a, cache_salt="project-x") == (192, first[1])
+        assert await cached(b, cache_salt="project-x") == (0, first[1])  # same salt, other tenant: no
+        async with http.post(
+            f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "cache_salt": 5}, headers=a
+        ) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "cache_salt"

@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 import xxhash
 
-from shared.hashing import block_hashes, block_parents, fingerprint_seed, model_fingerprint, next_block_hash
+from shared.hashing import (
+    block_hashes,
+    block_parents,
+    chain_root,
+    fingerprint_seed,
+    kv_salt,
+    model_fingerprint,
+    next_block_hash,
+)
 
 FP = model_fingerprint("llama", dtype="float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 
@@ -91,3 +99,16 @@ def test_same_hashes_in_another_process() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60, env=env
     )
     assert json.loads(out.stdout) == block_hashes(tokens, 64, FP)
+
+
+def test_a_salt_moves_the_whole_chain_and_only_its_root() -> None:
+    tokens = list(range(3, 3 + 4 * 16))
+    plain = block_hashes(tokens, 16, "fp")
+    assert kv_salt("", "") == 0 and block_hashes(tokens, 16, "fp", 0) == plain
+    salts = {kv_salt("team-a", ""), kv_salt("team-b", ""), kv_salt("team-a", "x"), kv_salt("", "x")}
+    assert len(salts) == 4 and 0 not in salts  # tenant and cache_salt both count; never the unsalted 0
+    salted = block_hashes(tokens, 16, "fp", kv_salt("team-a", ""))
+    assert not set(salted) & set(plain)
+    root = chain_root(fingerprint_seed("fp"), kv_salt("team-a", ""))
+    assert block_parents(salted, "fp", kv_salt("team-a", ""))[0] == root
+    assert salted[0] == next_block_hash(root, tokens[:16])  # the engines extend a salted chain the same way

@@ -142,7 +142,11 @@ def tier(store: FakeStore, kv: FakeKv, engine_id: str, cache_chunks: int = 4) ->
 def sequence(tokens: list[int], block_ids: list[int]) -> Any:
     hashes = block_hashes(tokens, LAYOUT.block_size, "fp")
     return SimpleNamespace(
-        block_hashes=hashes, block_ids=block_ids, request_id="r", deadline_unix_s=time.time() + 60
+        block_hashes=hashes,
+        block_ids=block_ids,
+        request_id="r",
+        deadline_unix_s=time.time() + 60,
+        plan=SimpleNamespace(kv=SimpleNamespace(salt=0)),
     )
 
 
