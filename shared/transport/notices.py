@@ -150,10 +150,26 @@ class PeerTable:
 
     _live: dict[str, int] = field(default_factory=dict)
     _gone: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    _rejoin: dict[str, asyncio.Event] = field(default_factory=dict)  # waits for a gone peer to connect again
 
     def connected(self, peer_id: str) -> None:
         self._live[peer_id] = self._live.get(peer_id, 0) + 1
         self._gone.pop(peer_id, None)
+        rejoined = self._rejoin.pop(peer_id, None)
+        if rejoined is not None:
+            rejoined.set()
+
+    async def rejoined(self, peer_id: str, timeout_s: float) -> bool:
+        """Whether a gone peer connects again within `timeout_s` (a new process under the same id, e.g. a
+        restarted engine, connects when it first sends)."""
+        if peer_id in self._live:
+            return True
+        event = self._rejoin.setdefault(peer_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except TimeoutError:
+            return peer_id in self._live
+        return True
 
     def disconnected(self, peer_id: str, reason: str) -> bool:
         """Count one connection down; True when the peer has none left."""

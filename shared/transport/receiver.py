@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 import uuid
 from typing import Any
 
@@ -30,6 +31,8 @@ from shared.transport.segments import segment_prefix, sweep_stale_segments
 from shared.transport.sockio import tune_socket
 from shared.transport.timeouts import deadline
 from shared.transport.wire import Limits, check_tag
+
+REJOIN_GRACE_S = 3.0  # a sender gone before a wait for its notice may come back (a restart) this long
 
 log = logging.getLogger(__name__)
 
@@ -221,10 +224,16 @@ class KvReceiver:
             return notice
         if peer_id is not None:
             reason = self._peers.gone_reason(peer_id)
-            if reason is not None:
-                raise TransportError(
-                    f"peer {peer_id} is gone ({reason}); notice {region!r}/{tag} cannot come"
-                )
+            if reason is not None:  # gone before the wait: a restarted peer gets a moment to connect again
+                started = time.monotonic()
+                if not await self._peers.rejoined(peer_id, min(timeout_s, REJOIN_GRACE_S)):
+                    raise TransportError(
+                        f"peer {peer_id} is gone ({reason}); notice {region!r}/{tag} cannot come"
+                    )
+                timeout_s = max(0.0, timeout_s - (time.monotonic() - started))
+                notice = self._board.take(region, tag)
+                if notice is not None:
+                    return notice
         future = self._board.add_waiter(region, tag, peer_id)
         try:
             async with deadline(timeout_s, f"wait for notice {region!r}/{tag}"):

@@ -10,7 +10,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from shared.bus import Bus
+from shared.bus import Bus, Registry
+from shared.protocol import ServiceInfo
 from tests.cluster import Stack, UpProcess, wait_ready
 from tests.integration.test_kv_reuse import complete, run_session
 
@@ -148,3 +149,56 @@ async def reading_node(http: aiohttp.ClientSession, storage_urls: dict[int, str]
                 return node
         assert loop.time() < deadline, "no storage read started"
         await asyncio.sleep(0.02)
+
+
+async def test_a_restarted_prefill_engine_serves_its_first_request(
+    stack: tuple[Stack, Bus], tmp_path: Path
+) -> None:
+    """A prefill engine that died and came back under its id (as `kvpath up` restarts it) serves the very
+    next request: the decode engine waits briefly for the new process to connect instead of failing on the
+    old one's gone-state (issue 11: the first request after a restart was a 500)."""
+    s, bus = stack
+    s.start("index", "index-0")
+    s.start("storage", "storage-0", "--node", "0", "--root", str(tmp_path / "store"))
+    s.start("engine", "de-0", "--role", "decode", "--node", "0")
+    pe = s.start("engine", "pe-0", "--role", "prefill", "--node", "0")
+    s.start(
+        "router", "router-0", "--http-port", "0", "--policy", "dualpath", "--engine-silence-timeout-s", "1.0"
+    )
+    ready = await wait_ready(
+        bus, {"index-0", "storage-0", "de-0", "pe-0", "router-0"}, s.procs, num_engines=2
+    )
+    url = ready["router-0"].http_url
+    prompt = [3 + i % 250 for i in range(300)]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        first = await complete(http, url, prompt, 4, "r")
+        pe.kill()
+
+        s.start("engine", "pe-0", "--role", "prefill", "--node", "0")
+        await new_incarnation(bus, "pe-0", ready["pe-0"].http_url)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while await router_engines(http, url) < 2:  # the router hears the new process's load reports
+            assert loop.time() < deadline, "the router never saw pe-0 again"
+            await asyncio.sleep(0.05)
+        again = await complete(http, url, prompt, 4, "r")
+    assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+
+
+async def new_incarnation(bus: Bus, service_id: str, old_url: str) -> None:
+    """Until the registry lists a ready `service_id` that is another process than the one at `old_url`."""
+    registry: Registry[ServiceInfo] = Registry(bus, ttl_s=5.0)
+    await registry.open()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+    while not any(
+        i.service_id == service_id and i.status == "ready" and i.http_url != old_url
+        for i in await registry.list()
+    ):
+        assert loop.time() < deadline, f"{service_id} did not come back"
+        await asyncio.sleep(0.1)
+
+
+async def router_engines(http: aiohttp.ClientSession, url: str) -> int:
+    async with http.get(f"{url}/health") as resp:
+        return int((await resp.json())["engines"])

@@ -9,6 +9,7 @@ import pytest
 
 from shared.errors import DeadlineExceededError, OverloadedError, TransportError
 from shared.transport import KvReceiver, KvSender, TransportConfig
+from shared.transport import receiver as receiver_module
 
 BACKENDS = ["shm", "tcp"]
 
@@ -174,7 +175,9 @@ async def test_unregister_fails_waiters_and_stale_ids_are_refreshed(
     assert bytes(receiver.region("slot").view(8000, 1)) == b"c"
 
 
-async def test_wait_deadline_and_gone_peer(receiver: KvReceiver, sender: KvSender) -> None:
+async def test_wait_deadline_and_gone_peer(
+    receiver: KvReceiver, sender: KvSender, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(DeadlineExceededError, match="buf"):
         await receiver.wait("buf", 1, timeout_s=0.05)
     peer = await sender.connect(receiver.endpoint(), timeout_s=5)
@@ -184,8 +187,15 @@ async def test_wait_deadline_and_gone_peer(receiver: KvReceiver, sender: KvSende
     await peer.close()
     with pytest.raises(TransportError, match="pe-test disconnected"):
         await waiter
-    with pytest.raises(TransportError, match="pe-test is gone"):
+    monkeypatch.setattr(receiver_module, "REJOIN_GRACE_S", 0.2)
+    with pytest.raises(TransportError, match="pe-test is gone"):  # ... and did not come back in the grace
         await receiver.wait("buf", 3, timeout_s=30, peer_id="pe-test")
+    # a new process under the same id (a restarted engine) connects within the grace: its notice arrives
+    monkeypatch.setattr(receiver_module, "REJOIN_GRACE_S", 10.0)
+    waiter = asyncio.ensure_future(receiver.wait("buf", 4, timeout_s=30, peer_id="pe-test"))
+    again = await sender.connect(receiver.endpoint(), timeout_s=5)
+    await again.notify("buf", 4, timeout_s=5)
+    assert (await asyncio.wait_for(waiter, 10)).tag == 4
 
 
 async def test_receiver_close_fails_senders_and_waiters(receiver: KvReceiver, sender: KvSender) -> None:
