@@ -2,6 +2,12 @@
 
 Pure bookkeeping: the service decides what to delete. With a shared root each node accounts only for the
 files it wrote (its share of the root); see `service.py` for how eviction consults file mtimes then.
+
+Eviction takes chain tails first: a block is a candidate only while no block of its chain that follows it is
+kept (its children count is 0, as in vLLM's free queue), so a prompt's cached prefix shrinks from its end and
+never loses a middle block that would make everything after it unreachable. Blocks being written are pinned:
+never evicted before their write settles (the writer owns them until then). Parents are known for blocks
+written since the service started; files found by the startup scan have none and age by their mtime.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ BlockKey = tuple[int, int]  # (fingerprint hash, block hash)
 class LruEntry:
     file_bytes: int
     last_access_s: float
+    parent: BlockKey | None = None
+    children: int = 0  # entries whose parent this one is
 
 
 @dataclass(slots=True)
@@ -23,6 +31,8 @@ class LruCatalog:
     capacity_bytes: int  # 0: unlimited
     used_bytes: int = 0
     _entries: OrderedDict[BlockKey, LruEntry] = field(default_factory=OrderedDict)  # LRU first
+    _orphans: dict[BlockKey, int] = field(default_factory=dict)  # absent parent -> entries waiting for it
+    _pinned: set[BlockKey] = field(default_factory=set)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -30,12 +40,23 @@ class LruCatalog:
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._entries
 
-    def add(self, key: BlockKey, file_bytes: int, now_s: float) -> None:
-        """Account for a file (or refresh it) as most recently used."""
-        old = self._entries.pop(key, None)
+    def add(self, key: BlockKey, file_bytes: int, now_s: float, parent: BlockKey | None = None) -> None:
+        """Account for a file (or refresh it) as most recently used; `parent`: its chain's previous block."""
+        old = self._entries.get(key)
         if old is not None:
-            self.used_bytes -= old.file_bytes
-        self._entries[key] = LruEntry(file_bytes, now_s)
+            old.last_access_s = max(old.last_access_s, now_s)
+            self.used_bytes += file_bytes - old.file_bytes
+            old.file_bytes = file_bytes
+            self._entries.move_to_end(key)
+            return
+        entry = LruEntry(file_bytes, now_s, parent, self._orphans.pop(key, 0))
+        if parent is not None:
+            up = self._entries.get(parent)
+            if up is not None:
+                up.children += 1
+            else:
+                self._orphans[parent] = self._orphans.get(parent, 0) + 1
+        self._entries[key] = entry
         self.used_bytes += file_bytes
 
     def touch(self, key: BlockKey, now_s: float) -> bool:
@@ -50,20 +71,50 @@ class LruCatalog:
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
-        self.used_bytes -= entry.file_bytes
+        self._pinned.discard(key)
+        self._forget(key, entry)
         return True
+
+    def pin(self, key: BlockKey) -> None:
+        """Keep `key` out of eviction (a write in flight) until `unpin`."""
+        self._pinned.add(key)
+
+    def unpin(self, key: BlockKey) -> None:
+        self._pinned.discard(key)
 
     def fits(self, file_bytes: int) -> bool:
         """Whether `file_bytes` more fit without evicting."""
         return self.capacity_bytes <= 0 or self.used_bytes + file_bytes <= self.capacity_bytes
 
+    def free_bytes(self) -> int | None:
+        """Bytes left before eviction is needed; None when unlimited."""
+        return None if self.capacity_bytes <= 0 else max(0, self.capacity_bytes - self.used_bytes)
+
     def can_ever_fit(self, file_bytes: int) -> bool:
         return self.capacity_bytes <= 0 or file_bytes <= self.capacity_bytes
 
     def pop_lru(self) -> tuple[BlockKey, LruEntry] | None:
-        """Remove and return the least recently used entry (an eviction candidate)."""
-        if not self._entries:
-            return None
-        key, entry = self._entries.popitem(last=False)
+        """Remove and return the least recently used chain tail that is not pinned (an eviction candidate);
+        None when every entry is pinned or has a kept child."""
+        for key, entry in self._entries.items():
+            if entry.children == 0 and key not in self._pinned:
+                del self._entries[key]
+                self._forget(key, entry)
+                return key, entry
+        return None
+
+    def _forget(self, key: BlockKey, entry: LruEntry) -> None:
         self.used_bytes -= entry.file_bytes
-        return key, entry
+        if entry.children:  # its children wait for it again (it may be re-added)
+            self._orphans[key] = self._orphans.get(key, 0) + entry.children
+        if entry.parent is None:
+            return
+        up = self._entries.get(entry.parent)
+        if up is not None:
+            up.children -= 1
+            return
+        left = self._orphans.get(entry.parent, 0) - 1
+        if left > 0:
+            self._orphans[entry.parent] = left
+        else:
+            self._orphans.pop(entry.parent, None)

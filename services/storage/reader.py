@@ -220,8 +220,8 @@ class BlockReader:
         return outcomes
 
     def _account(self, fp_hash: int, hashes: list[int], results: list[ReadOutcome]) -> None:
-        now = time.time()
-        for block_hash, outcome in zip(hashes, results, strict=False):
+        now = time.time()  # tail first, so a chain's head is its most recent block (evicted last)
+        for block_hash, outcome in reversed(list(zip(hashes, results, strict=False))):
             if outcome is ReadOutcome.OK:
                 self.catalog.touch((fp_hash, block_hash), now)
             else:

@@ -2,9 +2,10 @@
 
 The engine copies blocks into its staging segment and names (segment, offsets); this service maps the
 segment by name and writes each file from a memoryview of it (no KV bytes on NATS, no extra copy).
-Capacity is reserved in the LRU catalog before a file is written, evicting least recently used files
-(announced as BlockRemoved) when needed. The reply comes once the files are durable (see
-`block_store.fsync_policy`) and the BlockStored event is in the stream.
+Capacity is reserved in the LRU catalog before a file is written (a request's blocks at once, pinned until
+their write settles, whoever awaits it), evicting least recently used chain tails (`lru.py`, announced as
+BlockRemoved) when needed; what finds no room fails as storage full. The reply comes once the files are
+durable (see `block_store.fsync_policy`) and the BlockStored event is in the stream.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class BlockWriter:
         self._announce_removed = announce_removed
         self._io_slots = asyncio.Semaphore(limits.max_concurrent_writes)
         self._room_lock = asyncio.Lock()
+        self._inflight: dict[BlockKey, asyncio.Future[bool]] = {}  # block -> its write in an I/O thread
         self._num_pending = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -149,10 +151,32 @@ class BlockWriter:
                 f"an offset lies outside segment {req.segment_name} of {source.nbytes} B", param="offsets"
             )
         fp_hash = fingerprint_seed(req.fingerprint)
-        results = await asyncio.gather(
-            *(self._persist(fp_hash, req, i, source) for i in range(len(req.block_hashes))),
+        keys: list[BlockKey] = [(fp_hash, h) for h in req.block_hashes]
+        for key in keys:  # the same block written by another request right now: that write owns it
+            other = self._inflight.get(key)
+            if other is not None:
+                await asyncio.wait([other])
+        now = time.time()
+        new = [i for i in reversed(range(len(keys))) if not self.catalog.touch(keys[i], now)][::-1]
+        file_bytes = HEADER_BYTES + req.block_bytes
+        parents = [req.parent_hashes[i] for i in new]
+        reserved = await self._reserve([keys[i] for i in new], parents, file_bytes)
+        missing = len(new) - len(reserved)
+        full = StorageFullError(f"storage full: no room for {missing} blocks of {file_bytes} B")
+        results: list[bool | BaseException] = [False] * len(keys)
+        for i in new[len(reserved) :]:
+            results[i] = full
+        written = await asyncio.gather(
+            *(self._persist(keys[i], req, i, source, file_bytes) for i in new[: len(reserved)]),
             return_exceptions=True,
         )
+        for i, outcome in zip(new, written, strict=False):
+            results[i] = outcome
+        return await self._reply(req, results)
+
+    async def _reply(
+        self, req: StorageWriteRequest, results: list[bool | BaseException]
+    ) -> StorageWriteReply:
         ok = [i for i, r in enumerate(results) if isinstance(r, bool)]
         num_written = sum(1 for i in ok if results[i] is True)
         metrics.WRITE_BLOCKS.labels("written").inc(num_written)
@@ -177,34 +201,40 @@ class BlockWriter:
             event_stream_seq=seq,
         )
 
-    async def _persist(self, fp_hash: int, req: StorageWriteRequest, i: int, source: np.ndarray) -> bool:
-        """Write block i unless it is already stored; True when written."""
-        key: BlockKey = (fp_hash, req.block_hashes[i])
-        if self.catalog.touch(key, time.time()):
-            return False
-        file_bytes = HEADER_BYTES + req.block_bytes
-        await self._reserve(key, file_bytes)
+    async def _persist(
+        self, key: BlockKey, req: StorageWriteRequest, i: int, source: np.ndarray, file_bytes: int
+    ) -> bool:
+        """Write block i (its room reserved and pinned); True when written, False when the file existed.
+
+        The I/O thread's outcome settles the catalog entry whatever happens to this coroutine (a timed
+        out request is cancelled, its thread still finishes): one owner, so the catalog cannot drift."""
         loop = asyncio.get_running_loop()
         payload = source[req.offsets[i] : req.offsets[i] + req.block_bytes].data
-        try:
-            async with self._io_slots:
-                done_at = self.bucket.reserve(file_bytes, loop.time())
-                written = await loop.run_in_executor(
-                    self._executor, self._persist_sync, key, req.parent_hashes[i], payload, req.block_bytes
-                )
-                if written and done_at > loop.time():
-                    await asyncio.sleep(done_at - loop.time())
-        except BaseException:
-            self.catalog.remove(key)
-            raise
-        if written or not self.limits.is_shared_root:
-            self.catalog.touch(key, time.time())
-        else:  # another node's file on the shared root: its writer accounts for it
-            self.catalog.remove(key)
+        async with self._io_slots:
+            done_at = self.bucket.reserve(file_bytes, loop.time())
+            job = loop.run_in_executor(
+                self._executor, self._persist_sync, key, req.parent_hashes[i], payload, req.block_bytes
+            )
+            self._inflight[key] = job
+            job.add_done_callback(lambda done: self._settle(key, done))
+            written = await asyncio.shield(job)
+            if written and done_at > loop.time():
+                await asyncio.sleep(done_at - loop.time())
         if written:
             metrics.WRITE_BYTES.inc(file_bytes)
+        return bool(written)
+
+    def _settle(self, key: BlockKey, job: asyncio.Future[bool]) -> None:
+        """The write of `key` ended: keep its entry (written, or our own existing file), or drop it."""
+        if self._inflight.get(key) is job:
+            del self._inflight[key]
+        self.catalog.unpin(key)
+        ok = not job.cancelled() and job.exception() is None
+        if not ok or (not job.result() and self.limits.is_shared_root):
+            self.catalog.remove(key)  # not written; or another node's file on the shared root: its own
+        else:
+            self.catalog.touch(key, time.time())
         metrics.STORE_USED_BYTES.set(self.catalog.used_bytes)
-        return written
 
     def _persist_sync(self, key: BlockKey, parent_hash: int, payload: memoryview, block_bytes: int) -> bool:
         if self.store.exists(key[0], key[1], block_bytes):
@@ -212,27 +242,37 @@ class BlockWriter:
         self.store.write(key[0], key[1], parent_hash, payload)
         return True
 
-    async def _reserve(self, key: BlockKey, file_bytes: int) -> None:
-        """Account for a new file, evicting least recently used ones first (announced as BlockRemoved)."""
+    async def _reserve(self, keys: list[BlockKey], parents: list[int], file_bytes: int) -> list[BlockKey]:
+        """Account for new files (a chain's blocks, in order), evicting chain tails least recently used
+        first (announced as BlockRemoved); the leading blocks that found room, pinned until written."""
+        if not keys:
+            return []
         if not self.catalog.can_ever_fit(file_bytes):
             raise StorageFullError(
                 f"storage full: a {file_bytes} B block exceeds capacity {self.catalog.capacity_bytes}"
             )
         async with self._room_lock:
-            evicted = await self._evict_for(file_bytes)
-            self.catalog.add(key, file_bytes, time.time())
+            evicted = await self._evict_for(file_bytes * len(keys))
+            free = self.catalog.free_bytes()
+            n = len(keys) if free is None else min(len(keys), free // file_bytes)
+            now = time.time()
+            for key, parent in zip(reversed(keys[:n]), reversed(parents[:n]), strict=True):
+                self.catalog.add(key, file_bytes, now, (key[0], parent))  # tail first: the head is newest
+                self.catalog.pin(key)
         if evicted:
             metrics.EVICTIONS.inc(len(evicted))
             await self._announce_removed("evicted", evicted)
+        return keys[:n]
 
     async def _evict_for(self, file_bytes: int) -> list[int]:
+        """Evict until `file_bytes` fit or nothing more can go (every entry pinned or a kept chain's)."""
         loop = asyncio.get_running_loop()
         evicted: list[int] = []
         rechecks_left = len(self.catalog)
         while not self.catalog.fits(file_bytes):
             popped = self.catalog.pop_lru()
             if popped is None:
-                raise StorageFullError("storage full: every byte of capacity is reserved by writes in flight")
+                break
             key, entry = popped
             if self.limits.is_shared_root and rechecks_left > 0:
                 rechecks_left -= 1
@@ -240,7 +280,7 @@ class BlockWriter:
                 if mtime is None:
                     continue  # removed by another node already
                 if mtime > entry.last_access_s + 1.0:  # read by another node since: keep it
-                    self.catalog.add(key, entry.file_bytes, mtime)
+                    self.catalog.add(key, entry.file_bytes, mtime, entry.parent)
                     continue
             await loop.run_in_executor(self._executor, self.store.remove, *key)
             evicted.append(key[1])

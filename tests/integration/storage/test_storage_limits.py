@@ -10,6 +10,7 @@ import pytest
 
 from services.index.config import IndexConfig
 from services.index.service import IndexService
+from services.storage.lru import LruCatalog
 from shared.blocks import BlockLayout
 from shared.bus import MsgContext
 from shared.errors import AbortedError, StorageFullError
@@ -28,6 +29,15 @@ from tests.integration.storage.storage_harness import (
 )
 
 BIG = BlockLayout(num_layers=4, block_size=16, bytes_per_token_layer=1024)  # 64 KiB Full Blocks
+
+
+def disk_blocks(root: Path) -> tuple[set[int], int]:
+    files = list(root.rglob("*.blk"))
+    return {int(p.name[:-4], 16) for p in files}, sum(p.stat().st_size for p in files)
+
+
+def catalog_keys(catalog: LruCatalog) -> set[int]:
+    return {key[1] for key in catalog._entries}
 
 
 def _big_chain(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -105,31 +115,73 @@ async def test_lease_expiry_reclaims_space_and_waiting_reads_get_it(cluster: Sto
     await capped.release()
 
 
-async def test_lru_eviction_is_announced_and_the_index_forgets(cluster: StorageCluster) -> None:
+async def test_lru_eviction_takes_chain_tails_is_announced_and_the_index_forgets(
+    cluster: StorageCluster,
+) -> None:
     file_bytes = LAYOUT.full_block_bytes + 64
-    node = await cluster.start(capacity_bytes=3 * file_bytes)
+    node = await cluster.start(capacity_bytes=4 * file_bytes)
     index = IndexService(
         IndexConfig(nats_url=cluster.server.url, namespace=cluster.namespace, fetch_wait_s=0.1)
     )
     await index.start()
     try:
         client, index_client = node.client, IndexClient(node.client.bus)
-        hashes, parents = chain(5)
-        for i in range(3):
-            await write_blocks(client, hashes[i : i + 1], parents[i : i + 1])
-        lease = await client.read("touch", hashes[:1], deadline_s=5.0)  # block 0 becomes most recent
+        a, a_parents = chain(3, seed=1)
+        b, b_parents = chain(3, seed=2)
+        await write_blocks(client, a, a_parents)
+        await write_blocks(client, b[:1], b_parents[:1])
+        lease = await client.read("touch", a[:1], deadline_s=5.0)  # A's head becomes the most recent
         await lease.release()
-        result = await client.write(client.stage(2), hashes[3:5], parents[3:5])
+        result = await client.write(client.stage(2), b[1:], b_parents[1:])  # two more: two must go
         await index_client.wait_applied(result.event_stream_seq, timeout_s=5.0)
         store = node.service.store
-        present = [store.path_for(fingerprint_seed(FP), h).exists() for h in hashes]
-        assert present == [True, False, False, True, True]  # blocks 1 and 2 were least recently used
+        present = [store.path_for(fingerprint_seed(FP), h).exists() for h in a + b]
+        assert present == [True, False, False, True, True, True]  # A lost its tail, never its head
         removed = [e for e in await stream_events(client.bus) if isinstance(e, BlockRemoved)]
-        assert sorted(h for e in removed for h in e.block_hashes) == sorted(hashes[1:3])
+        assert [h for e in removed for h in e.block_hashes] == [a[2], a[1]]  # tail first
         assert all(e.reason == "evicted" for e in removed)
-        assert (await index_client.match(hashes[:1])).num_hit_blocks == 1
-        assert (await index_client.match(hashes[1:])).num_hit_blocks == 0  # forgotten
-        assert (await index_client.match(hashes[3:])).per_tier == {"store": 2}
+        assert (await index_client.match(a)).num_hit_blocks == 1
+        assert (await index_client.match(b)).per_tier == {"store": 3}
+    finally:
+        await index.stop()
+
+
+async def test_concurrent_writers_past_capacity_keep_catalog_index_and_disk_equal(
+    cluster: StorageCluster,
+) -> None:
+    """Many writers at once past a small capacity (the issue: 20 files on disk, 15 accounted, 185 indexed):
+    afterwards the catalog, the files under the root and the index agree exactly, within capacity."""
+    file_bytes = LAYOUT.full_block_bytes + 64
+    node = await cluster.start(capacity_bytes=6 * file_bytes)
+    index = IndexService(
+        IndexConfig(nats_url=cluster.server.url, namespace=cluster.namespace, fetch_wait_s=0.1)
+    )
+    await index.start()
+    try:
+        client = node.client
+        chains = [chain(3, seed=10 + i) for i in range(12)]
+        for round_ in range(3):  # overlapping chains across rounds: existing blocks, evictions, new ones
+            picked = chains[round_ * 3 : round_ * 3 + 6]
+            results = await asyncio.gather(
+                *(write_blocks(client, h, p) for h, p in picked), return_exceptions=True
+            )
+            failed = [r for r in results if isinstance(r, BaseException)]
+            assert all(isinstance(r, StorageFullError) for r in failed), failed
+        catalog = node.service.catalog
+        on_disk, disk_bytes = disk_blocks(Path(node.service.config.root))  # what `ls` shows
+        assert len(catalog) == len(on_disk) and catalog.used_bytes == disk_bytes
+        assert catalog.used_bytes <= 6 * file_bytes
+        index_client = IndexClient(client.bus)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while True:  # the index applies the stream's events a moment later: wait for it, with a deadline
+            indexed = {
+                h for hashes, _ in chains for h in hashes if (await index_client.match([h])).num_hit_blocks
+            }
+            if indexed == on_disk or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert indexed == on_disk and catalog_keys(catalog) == on_disk
     finally:
         await index.stop()
 

@@ -24,6 +24,27 @@ def test_lru_order_capacity_and_accounting() -> None:
     assert LruCatalog(0).fits(10**15)  # 0 = unlimited
 
 
+def test_eviction_takes_chain_tails_first_and_never_a_pinned_block() -> None:
+    """A block goes only when no block after it in its chain is kept (vLLM's rule), whatever the recency;
+    a block being written is never a candidate; children may arrive before their parent."""
+    lru = LruCatalog(capacity_bytes=0)
+    head, mid, tail, other = (1, 10), (1, 11), (1, 12), (1, 20)
+    lru.add(tail, 100, now_s=0, parent=mid)  # written out of order: the tail first
+    lru.add(head, 100, now_s=1, parent=(1, 0))
+    lru.add(mid, 100, now_s=2, parent=head)
+    lru.add(other, 100, now_s=3, parent=(1, 0))
+    lru.touch(tail, now_s=9)  # the tail is the most recent, the head the least: still the tail goes first
+    lru.pin(other)
+    order = []
+    while (victim := lru.pop_lru()) is not None:
+        order.append(victim[0])
+    assert order == [tail, mid, head] and len(lru) == 1 and lru.used_bytes == 100  # `other`: pinned
+    lru.unpin(other)
+    victim = lru.pop_lru()
+    assert victim is not None and victim[0] == other
+    assert lru.used_bytes == 0 and not lru._orphans  # nothing left behind in the bookkeeping
+
+
 def test_token_bucket_paces_bytes() -> None:
     bucket = TokenBucket(rate_bytes_per_s=1000.0)
     done = [bucket.reserve(100, now_s=0.0) for _ in range(10)]
