@@ -141,6 +141,8 @@ class ColocatedDispatch(Dispatch):
                 raise refusal  # the request itself is bad: another engine would refuse it too
         if isinstance(refusal, OverloadedError):
             raise refusal
+        if isinstance(refusal, DeadlineExceededError) and time.monotonic() >= deadline:
+            raise DeadlineExceededError("the request's deadline passed while dispatching it")  # 504
         raise NoEngineAvailableError(
             "no engine is available" + (f" (last error: {refusal.message})" if refusal else "")
         )

@@ -4,6 +4,7 @@ deadlines, and token coalescing on the bus."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import aiohttp
@@ -113,6 +114,25 @@ async def test_request_deadline_is_504(stack: tuple[Stack, Bus]) -> None:
         async with http.post(f"{ready['router-0'].http_url}/v1/completions", json=body) as resp:
             assert resp.status == 504
             assert (await resp.json())["error"]["code"] == "deadline_exceeded"
+
+
+async def test_an_engine_that_never_acks_is_504_at_the_deadline(stack: tuple[Stack, Bus]) -> None:
+    """A frozen engine (SIGSTOP: registered, subscribed, silent) swallows the dispatch until the request's
+    deadline: that is a 504 as in disaggregated mode, not a 503."""
+    s, bus = stack
+    router_args = ("--http-port", "0", "--no-use-kv-cache", "--request-deadline-s", "1.0")
+    s.start("router", "router-0", *router_args, "--engine-silence-timeout-s", "30")
+    engine = s.start("engine", "engine-0", "--no-persist-kv", "--no-load-kv")
+    ready = await wait_ready(bus, {"router-0", "engine-0"}, s.procs)
+    engine.proc.send_signal(signal.SIGSTOP)
+    try:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 4}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{ready['router-0'].http_url}/v1/completions", json=body) as resp:
+                status, err = resp.status, (await resp.json())["error"]
+    finally:
+        engine.proc.send_signal(signal.SIGCONT)
+    assert status == 504 and err["code"] == "deadline_exceeded", err
 
 
 async def test_tokens_are_coalesced_per_engine_step(stack: tuple[Stack, Bus]) -> None:
