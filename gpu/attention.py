@@ -98,11 +98,20 @@ class GqaAttention:
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, (heads + kv_heads) * head_dim :]
         kv.write(batch, torch.cat((k.reshape(num_tokens, -1), v), dim=-1))
+        if batch.routed is not None:  # context held elsewhere: partials merged (partial_attention*)
+            out = batch.routed.attend(kv, q, self.split_rows, self.scale)
+            return self.o_proj(out.reshape(num_tokens, -1))
         if batch.is_decode:
             out = self._decode(q, batch, kv)
         else:
             out = torch.cat([self._prefill_one(q, k, v, span, kv) for span in batch.spans])
         return self.o_proj(out)
+
+    def split_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows [S, kv_dim] -> K, V [S, Hkv, head_dim] (views)."""
+        half = self.num_kv_heads * self.head_dim
+        shape = (rows.shape[0], self.num_kv_heads, self.head_dim)
+        return rows[:, :half].view(shape), rows[:, half:].view(shape)
 
     def _split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache rows [..., S, kv_dim] -> K, V [..., Hkv, S, head_dim]."""
@@ -169,11 +178,19 @@ class MlaAttention:
         k_pe = projected[:, self.q_split + self.rank :].view(num_tokens, 1, self.rope_dim)
         k_pe = apply_rotary(k_pe, batch.rope).to(x.dtype)
         kv.write(batch, torch.cat((latent, k_pe.view(num_tokens, self.rope_dim)), dim=-1))
+        if batch.routed is not None:  # absorbed queries against the rows; latent partials merged
+            query = self._absorb(q_nope, q_pe).transpose(0, 1)
+            out = batch.routed.attend(kv, query, self.split_rows, self.scale)
+            return self.o_proj(self._unabsorb(out.transpose(0, 1)))
         if batch.is_decode:
             out = self._decode(q_nope, q_pe, batch, kv)
         else:
             out = torch.cat([self._prefill_one(q_nope, q_pe, span, kv) for span in batch.spans])
         return self.o_proj(out)
+
+    def split_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows [S, rank + rope] -> keys [S, 1, rank + rope], values [S, 1, rank] (absorbed form)."""
+        return rows[:, None], rows[:, None, : self.rank]
 
     def _absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """[T, H, nope], [T, H, rope] -> absorbed queries [H, T, rank + rope]."""

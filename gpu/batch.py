@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ class ForwardBatch:
         None  # decode: scratch [B * max_blocks, block_size, kv_dim] for gathers
     )
     key_bias: torch.Tensor | None = None  # decode: [B, 1, 1, longest context], 0 or -inf (padding)
+    routed: Any = None  # gpu.partial_attention_routed.RoutedBatch: some context is held elsewhere
 
     @property
     def num_tokens(self) -> int:

@@ -46,6 +46,16 @@ class PagedKVCache:
         )
         self._free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._is_free = np.ones(num_blocks, dtype=bool)
+        self._null_block = -1  # see null_block
+
+    @property
+    def null_block(self) -> int:
+        """The placeholder id of positions whose KV is not in this cache (a chunk held by another engine):
+        taken from the pool on first use and never returned; `free` skips it, the runner never reads or
+        writes it (gpu/partial_attention_routed.py)."""
+        if self._null_block < 0:
+            self._null_block = self.allocate(1)[0]
+        return self._null_block
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,6 +73,9 @@ class PagedKVCache:
 
     def free(self, block_ids: Sequence[int]) -> None:
         ids = np.asarray(block_ids, dtype=np.int64)
+        if self._null_block >= 0 and (ids == self._null_block).any():
+            ids = ids[ids != self._null_block]
+            block_ids = ids.tolist()
         if ids.size == 0:
             return
         if ids.min() < 0 or ids.max() >= self.num_blocks:
@@ -71,6 +84,17 @@ class PagedKVCache:
             raise ValueError(f"double free of KV blocks {[b for b in block_ids if self._is_free[b]]}")
         self._is_free[ids] = True
         self._free_ids.extend(sorted(block_ids, reverse=True))
+
+    def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Copy Full Blocks `src_ids` onto `dst_ids` in the cache (every layer; one gather, one scatter)."""
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"copy of {len(src_ids)} blocks onto {len(dst_ids)}")
+        if not src_ids:
+            return
+        device = self.tensor.device
+        src = torch.as_tensor(list(src_ids), dtype=torch.long, device=device)
+        dst = torch.as_tensor(list(dst_ids), dtype=torch.long, device=device)
+        self.tensor.index_copy_(0, dst, self.tensor.index_select(0, src))
 
     # ----------------------------------------------------------------------------------- export / import
 

@@ -32,6 +32,15 @@ from gpu.model_spec import (
     served_name,
     spec_from_arch,
 )
+from gpu.partial_attention import PrefixAttention
+from gpu.partial_attention_remote import (
+    ChunkExchange,
+    ExchangedPrefix,
+    HeldJob,
+    compute_prefix_rows,
+    held_partials,
+)
+from gpu.partial_attention_routed import RoutedBatch
 from gpu.sampling import Sampler, SampleRequest, SamplingOptions
 from gpu.tokenizer import Tokenizer, load_tokenizer
 from shared.errors import ConfigError, InvalidRequestError
@@ -53,6 +62,9 @@ class PrefillSeq:
     sample: bool = True  # False for a non-final chunk: no token sampled
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     banned_token_ids: list[int] = field(default_factory=list)  # logits -inf (min_tokens suppresses EOS/stops)
+    # leading context held by another engine (a routed chunk): attention over it comes from here, and the
+    # first prefix.num_tokens // block_size entries of block_ids are placeholders (kv.null_block)
+    prefix: PrefixAttention | ChunkExchange | None = None
 
 
 @dataclass(slots=True)
@@ -63,6 +75,7 @@ class DecodeSeq:
     token_id: int  # the last sampled token, fed as input
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     banned_token_ids: list[int] = field(default_factory=list)
+    prefix: PrefixAttention | ChunkExchange | None = None  # as in PrefillSeq
 
 
 class LayerHook:
@@ -186,6 +199,9 @@ class ModelRunner:
             all_logits=all_tokens,
             device=self.model.device,
         )
+        if any(s.prefix is not None for s in seqs):
+            routed = [(s.block_ids, s.num_cached_tokens, len(s.token_ids), s.prefix) for s in seqs]
+            build = functools.partial(self._routed, build, routed)
         if hook is None:  # one thread hop for the whole forward
             return await self._call(lambda: finish(self.model.forward(build(), self.kv.tensor)))
         batch: ForwardBatch = await self._call(build)
@@ -222,7 +238,39 @@ class ModelRunner:
         batch = build_decode_batch(
             self._geometry, self.model.rotary, plan, device=self.model.device, dtype=self.model.dtype
         )
+        if any(s.prefix is not None for s in seqs):
+            batch = self._routed(
+                lambda: batch, [(s.block_ids, s.num_cached_tokens, 1, s.prefix) for s in seqs]
+            )
         return self.model.forward(batch, self.kv.tensor)
+
+    # ------------------------------------------------------------------------------------ routed prefixes
+
+    def _routed(
+        self, build: Callable[[], ForwardBatch], seqs: list[tuple[Any, int, int, Any]]
+    ) -> ForwardBatch:
+        """The batch with its routed part attached: attention goes through gpu/partial_attention_routed.py
+        (which gathers per sequence, so the decode gather's scratch and mask are dropped)."""
+        batch = build()
+        prefixes = [(ids, cached, new, self._as_prefix(p)) for ids, cached, new, p in seqs]
+        batch.routed = RoutedBatch.build(prefixes, block_size=self.block_size, device=self.model.device)
+        batch.context_blocks = batch.key_bias = None
+        return batch
+
+    def _as_prefix(self, prefix: PrefixAttention | ChunkExchange | None) -> PrefixAttention | None:
+        if prefix is None or isinstance(prefix, PrefixAttention):
+            return prefix
+        return ExchangedPrefix(prefix, self.prefix_rows_now, self.model.dtype)
+
+    def prefix_rows_now(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """KV rows [layers, tokens, kv_dim] of a chunk computed from position 0 into a private tensor (the
+        fallback of a routed prefix). Worker thread only: it runs inside a forward."""
+        return compute_prefix_rows(self.model, token_ids, self._geometry)
+
+    async def held_partials(self, jobs: Sequence[HeldJob]) -> list[Any]:
+        """A holder's answer to routed queries against its pinned chunks (one attention call per chunk
+        range and layer): per job a float32 packed partial, or the reason it was refused."""
+        return await self._call(held_partials, self.model, self.kv.tensor, jobs)
 
     # ---------------------------------------------------------------------------------------- lifecycle
 

@@ -44,6 +44,12 @@ def register(subparsers: Any) -> None:
     from loadgen.sim.cli import register as register_sim
 
     register_sim(sub)
+    from loadgen.profiler import register as register_profile
+
+    register_profile(subparsers)  # `kvpath profile` (AMPD's cost model)
+    from loadgen.sim.ampd.planner import register as register_plan
+
+    register_plan(subparsers)  # `kvpath plan` (AMPD's deployment planner)
 
 
 def _add_synth(sub: Any) -> None:

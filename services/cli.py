@@ -6,6 +6,8 @@
   kvpath generate ...            offline generation with the model runtime (smoke test of a checkpoint)
   kvpath loadgen ...             agentic trace synthesis, replay and reports
   kvpath bench <what> ...        benchmarks that print numbers
+  kvpath profile ...             AMPD's cost model measured on this machine (T_pre, T_dec, T_kv)
+  kvpath plan ...                AMPD's deployment planner (an ILP over simulated candidates)
 
 This module registers the commands of its own floor and the ones below it (serve, up, generate). Packages
 above services (loadgen) add theirs through the entry-point group `kvpath.commands` of the installed

@@ -217,6 +217,7 @@ class Service:
             report = self.load_report(self._load_seq)
             if report is None:
                 continue
+            report.incarnation_unix_s = self.started_at
             try:
                 await self.bus.publish(subject, report)
             except Exception as exc:

@@ -12,6 +12,8 @@
   beluga     the KV pool vs a remote pool and NATS: RPC, KV load, serving, simulator beluga.py (beluga_rpc.py,
                                                                                    beluga_load.py,
                                                                                    beluga_serve.py)
+  movequery  route vs fetch vs local for a held chunk, measured vs the cost model   movequery.py
+  ampd       AMPD vs always-remote vs colocated: SLO attainment per trace           ampd.py
 
 `register` is the `bench` entry of the `kvpath.commands` entry-point group (pyproject.toml). It imports the
 bench modules only when called, so the processes some benches start with `python -m loadgen.bench.<module>`
@@ -25,9 +27,23 @@ from typing import Any
 
 def register(subparsers: Any) -> None:
     """Add `kvpath bench` and one subcommand per bench module (each module's `register(subparsers)`)."""
-    from loadgen.bench import beluga, dualpath, index, model, router, serve, storage, tracing, transport
+    from loadgen.bench import (
+        ampd,
+        beluga,
+        dualpath,
+        faults,
+        index,
+        model,
+        movequery,
+        router,
+        serve,
+        storage,
+        tracing,
+        transport,
+    )
 
     bench = subparsers.add_parser("bench", help="benchmarks (print numbers)")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for module in (model, transport, storage, index, serve, router, dualpath, beluga, tracing):
+    for module in (model, transport, storage, index, serve, router, dualpath, beluga, tracing, ampd, faults):
         module.register(bench_sub)
+    movequery.register(bench_sub)

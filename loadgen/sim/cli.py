@@ -24,7 +24,7 @@ from loadgen.sim.pool.config import PoolSimConfig
 from shared.config import add_config_args, build_config
 from shared.errors import KvpathError
 
-SWEEPS = ("none", "fig8", "ablation", "cost", "capacity", "beluga")
+SWEEPS = ("none", "fig8", "ablation", "cost", "capacity", "beluga", "movequery")
 # --sweep cost without these flags: the paper's largest run, for a short simulated stretch
 COST_DEFAULTS = {"model": "ds660b", "config": "48P96D", "agents": 49152, "max_sim_s": 600.0}
 
@@ -87,6 +87,11 @@ def _run(args: argparse.Namespace) -> int:
     from loadgen.sim.report import format_experiment
     from loadgen.sim.simulate import format_summary, simulate
 
+    if args.sweep == "movequery":  # move the query: the paper's tables from the cost model (analytic)
+        from loadgen.sim.movequery import format_movequery, movequery_sweep
+
+        summary = movequery_sweep()
+        return _emit(args, summary, format_movequery(summary))
     if args.sweep == "beluga":
         from loadgen.sim.pool.report import format_beluga
         from loadgen.sim.pool.sweep import beluga_config, beluga_sweep

@@ -6,6 +6,7 @@ import sys
 from collections.abc import Sequence
 
 from services.engine.config import EngineConfig
+from shared import native_memory
 from shared.service import Service, serve_main
 
 
@@ -16,6 +17,7 @@ def _build(config: EngineConfig) -> Service:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    native_memory.bound()  # before torch loads: malloc arenas, mmap threshold, oneDNN's cache
     return serve_main(argv, name="engine", config_cls=EngineConfig, build=_build, description=__doc__)
 
 

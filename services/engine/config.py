@@ -48,10 +48,25 @@ class EngineConfig(BaseConfig):
     remote_cache_bytes: int = doc(256 * 1024 * 1024, "remote tier: engine-local DRAM cache of super blocks")
     remote_chunk_tokens: int = doc(256, "remote tier: tokens per super block (the store's chunk_tokens)")
     remote_timeout_s: float = doc(2.0, "remote tier: deadline of one store operation (metadata or bytes)")
+    move_query: bool = doc(False, "colocated role: route held prefixes (move the query) and serve routes")
+    hold_bytes: int = doc(0, "move_query: cache bytes this engine may pin as held chunks (0: holds none)")
+    hold_min_tokens: int = doc(1024, "move_query: shortest prompt prefix worth holding, in tokens")
+    route_timeout_s: float = doc(2.0, "move_query: deadline of one route exchange (then it falls back)")
+    route_region_bytes: int = doc(64 * 1024 * 1024, "move_query: data-plane region for route queries/replies")
+    session_kv: bool = doc(
+        False, "decode role: keep each session's KV resident between turns, prefill turns sent here (AMPD)"
+    )
+    session_staging_bytes: int = doc(64 * 1024 * 1024, "session engine: staging of resident KV sent to PEs")
+    prefill_order: str = doc("fcfs", "prefill queue order: fcfs | slo (AMPD's Algorithm 2, TTFT-aware)")
+    reorder_window: int = doc(3, "slo order: tasks tried in every order (w), also the postponement cap")
+    ttft_slo_s: float = doc(2.0, "slo order: the TTFT SLO of a request that carries none")
+    cost_profile: str = doc("", "slo order: cost profile of `kvpath profile` (default: the measured rate)")
 
     def validate(self) -> None:
         BaseConfig.validate(self)
         self._validate_remote()
+        self._validate_move_query()
+        self._validate_sessions()
         check(self.role in ROLES, "role", self.role, f"one of {', '.join(ROLES)}")
         check(
             not self.kv_pool or self.role == "colocated",
@@ -92,6 +107,30 @@ class EngineConfig(BaseConfig):
             self.dtype,
             "float32, bfloat16 or float16",
         )
+
+    def _validate_sessions(self) -> None:
+        check(
+            not self.session_kv or self.role == "decode",
+            "session_kv",
+            self.session_kv,
+            "only decode engines keep sessions",
+        )
+        check(self.prefill_order in ("fcfs", "slo"), "prefill_order", self.prefill_order, "fcfs or slo")
+        check(1 <= self.reorder_window <= 6, "reorder_window", self.reorder_window, "between 1 and 6")
+        check(self.ttft_slo_s > 0, "ttft_slo_s", self.ttft_slo_s, "must be > 0")
+        check(self.session_staging_bytes > 0, "session_staging_bytes", self.session_staging_bytes, "> 0")
+
+    def _validate_move_query(self) -> None:
+        if not self.move_query:
+            check(self.hold_bytes == 0, "hold_bytes", self.hold_bytes, "needs move_query")
+            return
+        check(self.role == "colocated", "move_query", self.move_query, "only colocated engines route")
+        check(
+            not (self.kv_pool or self.kv_remote), "move_query", self.move_query, "not with an upper KV tier"
+        )
+        check(self.hold_bytes >= 0, "hold_bytes", self.hold_bytes, "must be >= 0")
+        check(self.route_timeout_s > 0, "route_timeout_s", self.route_timeout_s, "must be > 0")
+        check(self.route_region_bytes > 0, "route_region_bytes", self.route_region_bytes, "must be > 0")
 
     def _validate_remote(self) -> None:
         if not self.kv_remote:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Awaitable
 from collections.abc import Sequence as Seq
+from typing import Any
 
 from gpu.runner import LayerHook
 from services.engine.scheduler import PrefillChunk
@@ -35,7 +36,8 @@ from shared.protocol.tasks import BufferRef, GenerateTask, PullHits, PullHitsRep
 
 
 class KvConnector(abc.ABC):
-    task_type: type[Task] = GenerateTask  # the task kind an engine with this connector takes
+    # the task kind(s) an engine with this connector takes
+    task_type: type[Task] | tuple[type[Task], ...] = GenerateTask
     serves_pulls = False  # whether `serve_pull` answers (the engine then subscribes to pulls)
 
     async def start(self) -> None:  # noqa: B027 (optional hook)
@@ -43,6 +45,11 @@ class KvConnector(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027
         """Release everything. Called once on engine stop, after the last step."""
+
+    def block_allocator(self, kv: Any) -> Any:
+        """The block allocator the scheduler uses over the paged cache `kv` (once, when the engine core is
+        built): the cache itself, or a wrapper (a session engine's evicts idle sessions' resident KV)."""
+        return kv
 
     def accept(self, seq: Sequence, task: Task) -> BufferRef | None:
         """Take the role's part of `task` on admission (before `load`); the buffer a peer must write into,
@@ -79,6 +86,12 @@ class KvConnector(abc.ABC):
         """The sequence finished (`seq.finish_reason` is set; its blocks are still allocated and may be
         copied out synchronously here). Return an awaitable if its last delta must wait for it, else None.
         Either way the connector is done with the sequence's record afterwards (`release` follows)."""
+        return None
+
+    def attention_prefix(self, seq: Sequence) -> Any:
+        """Where attention over the sequence's leading context comes from when that context is not in this
+        cache (a routed chunk: `gpu.partial_attention_remote.ChunkExchange`), for each step it is in; None:
+        everything it attends is in the cache (every connector but `services/engine/route.py`)."""
         return None
 
     def release(self, seq: Sequence) -> None:  # noqa: B027

@@ -60,7 +60,7 @@ class EngineCore:
         self._seed = fingerprint_seed(runner.fingerprint)
         self.quota = quota_planner(config, runner)
         self.scheduler = EngineScheduler(
-            runner.kv,
+            self.connector.block_allocator(runner.kv),
             block_size=runner.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -220,6 +220,7 @@ class EngineCore:
                 sample=c.sample,
                 sampling=sampling_options(c.seq),
                 banned_token_ids=self._banned(c.seq),
+                prefix=self.connector.attention_prefix(c.seq),
             )
             for c in computed
         ]
@@ -246,6 +247,7 @@ class EngineCore:
                 token_id=s.output_token_ids[-1],
                 sampling=sampling_options(s),
                 banned_token_ids=self._banned(s),
+                prefix=self.connector.attention_prefix(s),
             )
             for s in seqs
         ]

@@ -86,3 +86,44 @@ REMOTE_CACHE_USED_BYTES = Gauge(
 REMOTE_CACHE_EVICTIONS = Counter(
     "kvpath_engine_kv_remote_cache_evicted_chunks_total", "Super blocks evicted from the local cache (LRU)"
 )
+SESSION_RESIDENT_BLOCKS = Gauge(
+    "kvpath_engine_session_resident_blocks", "Cache blocks held by idle sessions between turns (AMPD)"
+)
+SESSION_EVICTIONS = Counter(
+    "kvpath_engine_session_evictions_total", "Idle sessions whose resident KV was evicted for memory"
+)
+SESSION_EVENT_FAILURES = Counter(
+    "kvpath_engine_session_event_failures_total", "hbm: location events (BlockStored/Removed) not published"
+)
+SESSION_PREFIX_SOURCE = Counter(
+    "kvpath_engine_session_prefix_source_total",
+    "Turns on a session engine by where their prefix came from: resident, storage, pe (remote prefill), none",
+    ["source"],
+)
+
+# move the query (services/engine/route*.py, holder*.py): holder sessions and batches, requester routes
+HOLDER_SESSIONS = Counter(
+    "kvpath_engine_holder_sessions_total", "Route sessions asked of this holder, by outcome", ["outcome"]
+)
+HOLDER_BATCH = Histogram(
+    "kvpath_engine_holder_batch_size",
+    "Route queries answered by one partial-attention call",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+)
+HOLDER_ROWS = Counter(
+    "kvpath_engine_holder_query_tokens_total", "Query tokens a holder attended for requesters"
+)
+HOLDER_REFUSED = Counter(
+    "kvpath_engine_holder_refused_total", "Route queries refused (malformed, NaN, overloaded)"
+)
+ROUTED = Counter(
+    "kvpath_engine_route_requests_total", "Requests with a held prefix, by what served it", ["primitive"]
+)
+FALLBACKS = Counter(
+    "kvpath_engine_route_fallbacks_total", "Routed requests that fell back, by reason", ["reason"]
+)
+EXCHANGE = Histogram(
+    "kvpath_engine_route_exchange_seconds",
+    "One layer's route round trip seen by the requester",
+    buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+)

@@ -140,9 +140,10 @@ class PrefillHook(LayerHook):
         """Layer `layer` (or, for Basic, every layer) of the blocks this chunk touched -> DE buffer."""
         conn, de, bs = self.conn, record.task.de_buffer, self.conn.block_size
         if chunk.load_tokens:  # first chunk: the DE already holds the hits on the DE path
-            first = chunk.load_tokens // bs if chunk.seq.plan.kv.read_side == "de" else 0
+            first = chunk.load_tokens // bs if chunk.seq.plan.kv.read_side in ("de", "hbm") else 0
         else:
             first = chunk.start // bs
+        first = max(first, de.num_kept_blocks)  # a session's resident blocks stay where they are (AMPD)
         end = blocks_for(chunk.start + chunk.num_tokens, bs)
         if end <= first:
             return 0

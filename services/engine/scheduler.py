@@ -21,6 +21,9 @@ from shared.blocks import blocks_for
 # Decides the next prefill batch: (request id, cached tokens, remaining tokens) in FIFO order in,
 # (request id, tokens to compute now) out. None: a plain token budget (max_num_batched_tokens).
 PrefillPlanner = Callable[[list[tuple[str, int, int]]], list[tuple[str, int]]]
+# Reorders the waiting queue from index `start` on so that waiting[start] is the next prefill to admit (AMPD's
+# Algorithm 2: services/engine/slo_order.py). None: first come, first served.
+PrefillOrder = Callable[[deque[Sequence], int], None]
 
 
 class BlockAllocator(Protocol):
@@ -61,8 +64,10 @@ class EngineScheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefill_planner: PrefillPlanner | None = None,
+        prefill_order: PrefillOrder | None = None,
     ) -> None:
         self.prefill_planner = prefill_planner
+        self.prefill_order = prefill_order
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -139,6 +144,8 @@ class EngineScheduler:
         if plan.preempted:
             return plan  # the cache is short: admitting now would only thrash
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if self.prefill_order is not None:
+                self.prefill_order(self.waiting, 0)
             seq = self.waiting[0]
             used = self._add_chunk(plan, seq, budget)
             if used is None:
@@ -152,6 +159,9 @@ class EngineScheduler:
     def _schedule_planned_prefills(self, plan: StepPlan, planner: PrefillPlanner) -> None:
         """Prefill batch chosen by the planner (a compute quota): running chunks first, then the queue."""
         room = max(0, self.max_num_seqs - len(self.running))
+        if self.prefill_order is not None and not plan.preempted:
+            for start in range(min(room, len(self.waiting))):
+                self.prefill_order(self.waiting, start)
         candidates = [s for s in self.running if s.is_prefilling]
         candidates += list(self.waiting)[:room] if not plan.preempted else []
         work = [(s.request_id, _start(s), s.prefill_target - _start(s)) for s in candidates]

@@ -56,6 +56,8 @@ class Sequence:
     final_wait: Awaitable[None] | None = None  # the last delta goes out once this is done (blocks durable)
     kv_state: Any = None  # the KV connector's record of the request; only the connector reads it
     trace: Any = None  # services.engine.tracing.SeqTrace while tracing is on, else None
+    route: Any = None  # move the query: its route session or held-chunk import (services/engine/route.py)
+    num_postponed: int = 0  # times overtaken in this engine's prefill queue (AMPD's Algorithm 2 caps it)
 
     def __post_init__(self) -> None:
         if not self.block_hashes:

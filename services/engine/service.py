@@ -13,6 +13,7 @@ from services.engine.config import EngineConfig
 from services.engine.connector import KvConnector, NullConnector
 from services.engine.core import EngineCore
 from services.engine.handlers import EngineHandlers
+from services.engine.slo_order import build_prefill_order
 from shared.blocks import BlockLayout
 from shared.protocol import Abort, LoadReport, ServiceInfo, TokenBatch
 from shared.protocol.tasks import PullHits
@@ -40,17 +41,23 @@ class EngineService(Service):
 
     async def on_start(self) -> None:
         self.runner = await asyncio.to_thread(load_runner, self.config)
-        if self.config.role != "colocated" or self.config.kv_remote:
+        if self.config.role != "colocated" or self.config.kv_remote or self.config.move_query:
             await self._start_data_plane()
         if self.config.kv_pool:
             self.upper_tier = await connect_pool(self.config, self)
         if self.config.kv_remote:
             self.upper_tier = await start_remote_tier(self.config, self)
         self.connector = build_connector(self.config, self)
+        if self.config.move_query:  # move the query: routes held prefixes, holds chunks (route.py)
+            from services.engine.route import build_route_connector
+
+            self.connector = build_route_connector(self.config, self, self.connector)
         await self.connector.start()
         self.core = EngineCore(
             self.config, self.runner, self.service_id, self._publish_tokens, self.connector
         )
+        # AMPD's Algorithm 2 (`--prefill-order slo`), from the prefill rate the core measures
+        self.core.scheduler.prefill_order = build_prefill_order(self.config, self.core.prefill_rate)
         metrics.KV_BLOCKS_TOTAL.set(self.runner.kv.num_blocks)
         handlers = EngineHandlers(self.core, self.report_load_now)
         subjects = self.bus.subjects
@@ -60,6 +67,11 @@ class EngineService(Service):
                 subjects.transfer(self.service_id), PullHits, handlers.pull, max_concurrency=256
             )
         await self.bus.subscribe(subjects.abort, Abort, handlers.abort)
+        holder = getattr(self.connector, "holder", None)
+        if holder is not None:
+            await self.bus.subscribe(
+                subjects.route(self.service_id), holder.message_types, holder.handle, max_concurrency=64
+            )
         self.spawn(self.core.run(), "step-loop")
 
     async def _start_data_plane(self) -> None:
@@ -106,6 +118,7 @@ class EngineService(Service):
         if self.core is None:
             return None
         load = self.core.load()
+        load["rates"].update(self.connector.stats() if self.connector is not None else {})
         metrics.KV_BLOCKS_USED.set(load["total_kv_blocks"] - load["free_kv_blocks"])
         metrics.RUNNING.set(load["num_running"])
         metrics.WAITING.set(load["num_waiting"])
@@ -125,6 +138,9 @@ class EngineService(Service):
         info.model = self.config.model
         if self.core is not None:
             info.kv_format = self.core.kv_format
+        holder = getattr(self.connector, "holder", None)
+        if holder is not None:  # move the query: the chunks this engine holds (also `held:<id>` in the index)
+            info.extra["held_chunks"] = [c.to_dict() for c in holder.held.infos()]
         if self.receiver is not None:
             info.extra["kv_endpoint"] = self.receiver.endpoint()
             info.endpoints.update(self.receiver.service_endpoints())
@@ -167,6 +183,20 @@ def build_connector(config: EngineConfig, service: EngineService) -> KvConnector
             peers=service.peers,
             area_bytes=config.pe_receive_bytes,
             staging_bytes=config.pe_staging_bytes,
+            transfer_timeout_s=config.transfer_timeout_s,
+            **common,
+        )
+    if config.role == "decode" and config.session_kv:
+        from services.engine.session_connector import SessionConnector
+
+        return SessionConnector(
+            bus,
+            runner,
+            persist_kv=config.persist_kv,
+            receiver=service.receiver,
+            peers=service.peers,
+            area_bytes=config.de_buffer_bytes,
+            staging_bytes=config.session_staging_bytes,
             transfer_timeout_s=config.transfer_timeout_s,
             **common,
         )

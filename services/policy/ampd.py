@@ -39,6 +39,7 @@ SESSION_POLICIES = (AMPD, DISAGG_REMOTE, SESSION_COLOCATED)
 SOURCE_HBM = "hbm"  # history streamed from the DE's resident cache (KvPlan.read_side)
 SOURCE_STORAGE = "pe"  # history read from the PE node's storage
 SOURCE_NONE = ""  # no history to move: the PE computes all of it
+SLACK_ORDERS = ("random", "least-queue")  # AmpdParams.slack_order
 
 Queue = tuple[tuple[int, int], ...]
 
@@ -47,16 +48,21 @@ Queue = tuple[tuple[int, int], ...]
 class AmpdParams:
     """alpha, beta: slack factors of the TTFT and ITL tests (paper defaults); `route_initial`: an initial
     prefill (no history) goes through Algorithm 1 too (brief §8 #8; False: always remote); `data_link`: the
-    link KV crosses between a DE and a PE (a `CostModel.links` name)."""
+    link KV crosses between a DE and a PE (a `CostModel.links` name); `slack_order`: which PE with TTFT slack
+    takes the prefill, the first in the caller's random order (the paper) or the least queued work (an
+    option: the random pick unbalances few PEs whose windows lag their queues, `kvpath bench ampd --sim`)."""
 
     alpha: float = 0.9
     beta: float = 0.85
     route_initial: bool = True
     data_link: str = "shm"
+    slack_order: str = "random"  # one of SLACK_ORDERS
 
     def __post_init__(self) -> None:
         if not (0 < self.alpha and 0 < self.beta):
             raise ConfigError(f"AMPD alpha={self.alpha}, beta={self.beta}: must be > 0", param="alpha")
+        if self.slack_order not in SLACK_ORDERS:
+            raise ConfigError(f"slack_order {self.slack_order!r}: one of {SLACK_ORDERS}", param="slack_order")
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +207,8 @@ def route_prefill(
     params: AmpdParams = AmpdParams(),
 ) -> RouteDecision:
     """Algorithm 1. `prefills` in the caller's random order (line 1); may be empty (then local)."""
+    if params.slack_order == "least-queue":
+        prefills = sorted(prefills, key=lambda p: (costs.queue_s(p.queue, ROLE_PREFILL), p.engine_id))
     for pe in prefills:  # lines 1-3
         if pe.ttft_s <= params.alpha * turn.ttft_slo_s:
             return _remote(turn, pe, costs, params, "ttft_slack")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.policy.ampd import SESSION_POLICIES, SLACK_ORDERS
 from services.policy.colocated import COLOCATED_POLICIES
 from services.policy.placement import POLICIES
 from shared.config import BaseConfig, check, doc
@@ -16,7 +17,9 @@ class RouterConfig(BaseConfig):
     served_model_name: str = doc("", "model name clients send; defaults to the model's name")
     model_cache_dir: str = doc("", "where embedded models are materialized (default ~/.cache/kvpath/models)")
     policy: str = doc(
-        "colocated", "scheduling policy: colocated | beluga | cache-aware | dualpath | basic | dualpath-rr"
+        "colocated",
+        "scheduling policy: colocated | beluga | cache-aware | dualpath | basic | dualpath-rr | ampd | "
+        "disagg-remote | session-colocated",
     )
     max_tokens_limit: int = doc(8192, "largest max_tokens a request may ask for")
     request_deadline_s: float = doc(600.0, "every request fails with 504 after this long")
@@ -32,6 +35,23 @@ class RouterConfig(BaseConfig):
     force_read_side: str = doc(
         "", "experiments: read stored prefixes on this side (pe | de) when it can read"
     )
+    ttft_slo_ms: float = doc(2000.0, "TTFT SLO of a request that names none (`ttft_slo_ms` extension)")
+    itl_slo_ms: float = doc(100.0, "ITL SLO of a request that names none (`itl_slo_ms` extension)")
+    ampd_alpha: float = doc(0.9, "AMPD: a PE whose windowed TTFT is under alpha x TTFT SLO has slack")
+    ampd_beta: float = doc(0.85, "AMPD: a DE whose windowed ITL is under beta x ITL SLO has slack")
+    ampd_window_s: float = doc(10.0, "AMPD: window of the TTFT / ITL statistics")
+    ampd_route_initial: bool = doc(True, "AMPD: route initial prefills by Algorithm 1 too (else remote)")
+    ampd_slack_order: str = doc(
+        "random", "AMPD: the PE with TTFT slack that takes a prefill: random | least-queue"
+    )
+    remote_pick: str = doc("rr", "disagg-remote: the PE of each prefill, rr (round robin) | least-queue")
+    cost_profile: str = doc("", "AMPD: cost profile file of `kvpath profile` (default: measured rates)")
+    kv_link: str = doc("shm", "AMPD: the cost profile's link between prefill and decode engines")
+    move_query: str = doc(
+        "", "prompts starting with a chunk another engine holds: auto | route | fetch | local ('' off)"
+    )
+    movequery_profile: str = doc("", "move_query: calibrated cost profile (default: an uncalibrated guess)")
+    movequery_fabric: str = doc("shm", "move_query: the profile's fabric between engines (shm | tcp | rdma)")
     api_key_file: str = doc(
         "", "file of API keys, one per line: `<key>` or `<key> <tenant>` (none configured: the API is open)"
     )
@@ -42,7 +62,7 @@ class RouterConfig(BaseConfig):
 
     def validate(self) -> None:
         BaseConfig.validate(self)
-        policies = (*COLOCATED_POLICIES, *POLICIES)
+        policies = (*COLOCATED_POLICIES, *POLICIES, *SESSION_POLICIES)
         check(self.policy in policies, "policy", self.policy, f"one of {', '.join(policies)}")
         check(self.max_tokens_limit >= 1, "max_tokens_limit", self.max_tokens_limit, "must be >= 1")
         check(self.request_deadline_s > 0, "request_deadline_s", self.request_deadline_s, "must be > 0")
@@ -61,4 +81,19 @@ class RouterConfig(BaseConfig):
         for name in ("alpha_s", "beta_s", "z_factor"):
             check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         check(self.max_inflight_requests >= 1, "max_inflight_requests", self.max_inflight_requests, ">= 1")
+        for name in ("ttft_slo_ms", "itl_slo_ms", "ampd_alpha", "ampd_beta", "ampd_window_s"):
+            check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        check(self.remote_pick in ("rr", "least-queue"), "remote_pick", self.remote_pick, "rr or least-queue")
+        check(
+            self.ampd_slack_order in SLACK_ORDERS,
+            "ampd_slack_order",
+            self.ampd_slack_order,
+            str(SLACK_ORDERS),
+        )
+        check(
+            self.move_query in ("", "auto", "route", "fetch", "local"),
+            "move_query",
+            self.move_query,
+            "auto, route, fetch, local or empty",
+        )
         check(self.max_request_bytes >= 1024, "max_request_bytes", self.max_request_bytes, ">= 1024")

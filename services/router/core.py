@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.policy.ampd import SESSION_POLICIES
 from services.policy.colocated import COLOCATED_POLICIES
 from services.router import metrics
 from services.router.config import RouterConfig
@@ -22,6 +23,7 @@ from services.router.dispatch import ColocatedDispatch, Dispatch, publish_abort
 from services.router.engines import EngineTable
 from services.router.kv_plan import KvPlanner
 from services.router.prompts import PreparedPrompt
+from services.router.session_dispatch import SessionDispatch, session_params
 from services.router.stops import StopMatcher
 from services.router.streams import RequestStream, StreamTable
 from shared import logs, telemetry
@@ -76,10 +78,20 @@ class RouterCore:
     # ------------------------------------------------------------------------------------ bus inputs
 
     def on_token_batch(self, batch: TokenBatch) -> None:
-        self.streams.deliver(batch, time.monotonic())
+        now = time.monotonic()
+        self.streams.deliver(batch, now)
+        self.dispatch.on_token_batch(batch, now)
 
     def on_load_report(self, report: LoadReport) -> None:
+        previous = self.engines.get(report.service_id)
         self.engines.update(report, time.monotonic())
+        old = previous.report.incarnation_unix_s if previous is not None else 0.0
+        if old and report.incarnation_unix_s > old:  # restarted under its id: its old streams are lost
+            error = EngineFailedError(f"engine {report.service_id} restarted; the request was lost with it")
+            n = self.streams.fail_engine(report.service_id, error, assigned_before=report.incarnation_unix_s)
+            if n:
+                metrics.ENGINE_FAILURES.labels("restarted").inc(n)
+                log.warning("engine restarted engine=%s failed_streams=%d", report.service_id, n)
         self.dispatch.on_load_report()
 
     def fail_silent_engines(self) -> int:
@@ -154,6 +166,7 @@ class RouterCore:
                 metrics.QUEUED.dec()
             raise
         finally:
+            self.dispatch.release(request_id)
             self.inflight -= 1
             if not self.inflight:
                 self.is_idle.set()
@@ -180,6 +193,8 @@ class RouterCore:
             deadline_unix_s=time.time() + (deadline - time.monotonic()),
             session_id=prompt.request.session_id,
             kv=planned.kv,
+            ttft_slo_s=(prompt.request.ttft_slo_ms or self.config.ttft_slo_ms) / 1000,
+            itl_slo_s=(prompt.request.itl_slo_ms or self.config.itl_slo_ms) / 1000,
         )
         return plan, planned.blocks_by_location
 
@@ -286,7 +301,17 @@ def _observe_stages(timings: dict[str, float]) -> None:
 def build_dispatch(config: RouterConfig, engines: EngineTable, bus: Bus, router_id: str) -> Dispatch:
     """The dispatch of the configured policy."""
     if config.policy in COLOCATED_POLICIES:
-        return ColocatedDispatch(engines, bus, router_id, config.task_ack_timeout_s, policy=config.policy)
+        dispatch = ColocatedDispatch(engines, bus, router_id, config.task_ack_timeout_s, policy=config.policy)
+        if config.move_query:  # move the query: held chunks routed, fetched or recomputed (route_choice.py)
+            from services.router.route_choice import HeldRouting, load_profile
+
+            profile = load_profile(config.movequery_profile)
+            dispatch.held_routing = HeldRouting(
+                engines, mode=config.move_query, profile=profile, fabric=config.movequery_fabric
+            )
+        return dispatch
+    if config.policy in SESSION_POLICIES:
+        return SessionDispatch(engines, bus, router_id, config.task_ack_timeout_s, session_params(config))
     params = SchedulerParams(
         policy=config.policy,
         alpha_s=config.alpha_s,

@@ -13,6 +13,7 @@ import abc
 import logging
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from services.policy.colocated import CACHE_AWARE, COLOCATED, pick_cache_aware, pick_least_loaded
 from services.policy.snapshot import ROLE_COLOCATED, EngineSnapshot
@@ -28,7 +29,7 @@ from shared.errors import (
     ServiceUnavailableError,
     error_from_code,
 )
-from shared.protocol import Abort, GenerateTask, RequestPlan, TaskAck
+from shared.protocol import Abort, GenerateTask, RequestPlan, TaskAck, TokenBatch
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,12 @@ class Dispatch(abc.ABC):
     def on_load_report(self) -> None:  # noqa: B027 (a hook: most dispatches need nothing)
         """Loads changed (a report arrived): queued requests may fit now."""
 
+    def on_token_batch(self, batch: TokenBatch, now: float) -> None:  # noqa: B027
+        """Token deltas arrived (router clock `now`); session policies measure TTFT and ITL here."""
+
+    def release(self, request_id: str) -> None:  # noqa: B027
+        """The request left the router (finished, failed or aborted): drop what is kept for it."""
+
     async def run(self) -> None:  # noqa: B027
         """Background work, run by the router service for its lifetime (none by default)."""
 
@@ -89,6 +96,7 @@ class ColocatedDispatch(Dispatch):
         super().__init__(engines, bus, router_id, ack_timeout_s)
         self.policy = policy
         self._span_attributes = {"policy": policy}
+        self.held_routing: Any = None  # services/router/route_choice.HeldRouting with move_query on
 
     async def dispatch(
         self, plan: RequestPlan, deadline: float, streams: StreamTable, locality: Mapping[str, int]
@@ -121,21 +129,34 @@ class ColocatedDispatch(Dispatch):
         block_size = self.engines.kv_format.block_size if self.engines.kv_format else 1
         for _ in range(MAX_DISPATCH_ATTEMPTS):
             engines = self.engines.engine_snapshots(block_size, (ROLE_COLOCATED,))
-            engine_id = self._pick([e for e in engines if e.engine_id not in tried], task.plan, locality)
+            candidates = [e for e in engines if e.engine_id not in tried]
+            if self.held_routing is not None:
+                avoid = self.held_routing.avoid(locality)
+                candidates = [e for e in candidates if e.engine_id not in avoid] or candidates
+            engine_id = self._pick(candidates, task.plan, locality)
             if engine_id is None:
                 break
             tried.add(engine_id)
+            if self.held_routing is not None:
+                self.held_routing.apply(task.plan, engine_id, locality)
             subject = self.bus.subjects.task(engine_id)
+            # counted at once, not at the ack: requests picked meanwhile see this one (else a burst all
+            # lands on the engine that sorts first)
+            self.engines.note_assigned(engine_id, task.plan.num_prompt_tokens)
             try:
                 ack = await self.bus.request(subject, task, TaskAck, timeout_s=self.ack_timeout(deadline))
             except (ServiceUnavailableError, DeadlineExceededError) as exc:
+                self.engines.note_unassigned(engine_id, task.plan.num_prompt_tokens)
                 log.warning("task not acked request_id=%s engine=%s: %s", task.request_id, engine_id, exc)
                 await publish_abort(self.bus, task.request_id, "dispatch failed")
                 refusal = exc
                 continue
+            except BaseException:
+                self.engines.note_unassigned(engine_id, task.plan.num_prompt_tokens)
+                raise
             if ack.accepted:
-                self.engines.note_assigned(engine_id, task.plan.num_prompt_tokens)
                 return engine_id
+            self.engines.note_unassigned(engine_id, task.plan.num_prompt_tokens)
             refusal = error_from_code(ack.code or "overloaded", ack.message or "engine refused the task")
             if not isinstance(refusal, OverloadedError | ServiceUnavailableError):
                 raise refusal  # the request itself is bad: another engine would refuse it too

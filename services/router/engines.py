@@ -99,6 +99,13 @@ class EngineTable:
             state.pending_tokens += tokens
             state.pending_kv_tokens += kv_tokens
 
+    def note_unassigned(self, service_id: str, tokens: int) -> None:
+        """Undo `note_assigned` for a task the engine did not take (unless a report already reset it)."""
+        state = self._engines.get(service_id)
+        if state is not None:
+            state.pending_requests = max(0, state.pending_requests - 1)
+            state.pending_tokens = max(0, state.pending_tokens - tokens)
+
     def storage_of(self, node: int) -> str | None:
         """The service id of node `node`'s storage service, if it reports."""
         for sid, st in self._engines.items():

@@ -43,3 +43,18 @@ TTFT_STAGE = Histogram(
     ["stage"],
     buckets=_LATENCY_BUCKETS,
 )
+SESSION_ROUTES = Counter(
+    "kvpath_router_session_routes_total",
+    "Session prefills by where they ran (local, remote) and why (ttft_slack, itl_slack, cost, forced, ...)",
+    ["route", "reason"],
+)
+SESSION_BINDS = Counter(
+    "kvpath_router_session_binds_total",
+    "Sessions bound to a decode engine: new, or rebound (their engine died, refused or left)",
+    ["reason"],
+)
+MOVEQUERY_CHOICES = Counter(
+    "kvpath_router_movequery_choices_total",
+    "Requests whose prompt starts with a chunk another engine holds, by primitive (route, fetch, local)",
+    ["primitive"],
+)

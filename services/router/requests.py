@@ -20,6 +20,7 @@ _SESSION_HEADER = "X-Session-Id"
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 1024
+MAX_SLO_MS = 3_600_000.0  # ttft_slo_ms / itl_slo_ms
 
 # Parameters OpenAI defines that kvpath does not implement: accepted only at their neutral value.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -66,6 +67,8 @@ class GenerationRequest:
     response_format: dict[str, Any] | None = None  # {"type": "json_object" | "json_schema", ...}
     cache_salt: str = ""  # vLLM's extension: requests share cached KV only with the same salt (and tenant)
     tenant: str = ""  # the caller's tenant (services/router/auth.py), set by the API after parsing
+    ttft_slo_ms: float | None = None  # extension: this request's SLOs (AMPD routes and orders by them)
+    itl_slo_ms: float | None = None
 
 
 def _range(name: str) -> tuple[float, float]:
@@ -186,7 +189,19 @@ def _common(body: dict[str, Any], endpoint: str, session_id: str) -> GenerationR
         logit_bias=_logit_bias(body),
         response_format=_response_format(body),
         cache_salt=_cache_salt(body),
+        ttft_slo_ms=_slo_ms(body, "ttft_slo_ms"),
+        itl_slo_ms=_slo_ms(body, "itl_slo_ms"),
     )
+
+
+def _slo_ms(body: dict[str, Any], name: str) -> float | None:
+    """A latency SLO in milliseconds: a positive number of at most an hour, or absent."""
+    if body.get(name) is None:
+        return None
+    value = _number(body, name, 0.0, 0.0, MAX_SLO_MS)
+    if value <= 0:
+        raise _bad(f"'{name}' must be > 0 milliseconds, got {value}", name)
+    return value
 
 
 def _cache_salt(body: dict[str, Any]) -> str:

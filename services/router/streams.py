@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ StreamItem = TokenDelta | KvpathError
 class RequestStream:
     request_id: str
     engine_ids: set[str] = field(default_factory=set)  # engines whose failure fails the stream
+    assigned_unix_s: dict[str, float] = field(default_factory=dict)  # engine -> when it took the request
     held: dict[int, tuple[TokenDelta, str, float]] = field(default_factory=dict)  # ahead of next_seq
     queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
     next_seq: int = 0
@@ -55,7 +57,9 @@ class StreamTable:
 
     def assign(self, request_id: str, engine_id: str) -> None:
         """Record an engine serving the stream (its failure then fails the stream)."""
-        self._streams[request_id].engine_ids.add(engine_id)
+        stream = self._streams[request_id]
+        stream.engine_ids.add(engine_id)
+        stream.assigned_unix_s[engine_id] = time.time()
         self._by_engine[engine_id].add(request_id)
 
     def unassign(self, request_id: str, engine_id: str) -> None:
@@ -132,14 +136,19 @@ class StreamTable:
                 failed += 1
         return failed
 
-    def fail_engine(self, engine_id: str, error: KvpathError) -> int:
-        """Fail every open stream served by `engine_id` (it died or stopped answering)."""
-        ids = list(self._by_engine.get(engine_id, ()))
-        for request_id in ids:
+    def fail_engine(self, engine_id: str, error: KvpathError, *, assigned_before: float | None = None) -> int:
+        """Fail every open stream served by `engine_id` (it died or stopped answering); with
+        `assigned_before` (unix s) only those it took before then (a restarted engine's old process)."""
+        failed = 0
+        for request_id in list(self._by_engine.get(engine_id, ())):
             stream = self._streams.get(request_id)
-            if stream is not None:
-                stream.put_error(error)
-        return len(ids)
+            if stream is None:
+                continue
+            if assigned_before is not None and stream.assigned_unix_s.get(engine_id, 0.0) >= assigned_before:
+                continue
+            stream.put_error(error)
+            failed += 1
+        return failed
 
     def engines_with_streams(self) -> list[str]:
         return list(self._by_engine)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.policy.ampd import AMPD, SESSION_COLOCATED, SESSION_POLICIES
+
 
 @dataclass(slots=True)
 class ClusterSpec:
@@ -65,6 +67,7 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
             procs.append(ProcessSpec(f"storage-{node}", "storage", args, kind="storage"))
     for i, (node, role) in enumerate(nodes):
         args = ["--role", role, "--node", str(node), "--model", spec.model, *common, *tier_args]
+        args += _session_args(spec.policy, role)
         if not spec.with_kv_store:
             args += ["--no-persist-kv", "--no-load-kv"]
         procs.append(
@@ -109,10 +112,21 @@ def _tier_processes(spec: ClusterSpec, procs: list[ProcessSpec], common: list[st
     return []
 
 
+def _session_args(policy: str, role: str) -> list[str]:
+    """Engine flags of the session policies (AMPD and its baselines): decode engines keep sessions; under
+    `ampd` every prefill queue is ordered by Algorithm 2."""
+    if policy not in SESSION_POLICIES:
+        return []
+    args = ["--session-kv"] if role == "decode" else []
+    return args + (["--prefill-order", "slo"] if policy == AMPD else [])
+
+
 def _nodes(spec: ClusterSpec) -> list[tuple[int, str]]:
-    """(node, role) per engine: colocated engines on node 0, else prefill nodes first, then decode nodes."""
+    """(node, role) per engine: colocated engines on node 0, else prefill nodes first, then decode nodes.
+    `session-colocated` engines are session engines (decode role) that prefill every turn themselves."""
     if not spec.is_disaggregated:
-        return [(0, "colocated")] * spec.colocated_engines
+        role = "decode" if spec.policy == SESSION_COLOCATED else "colocated"
+        return [(0, role)] * spec.colocated_engines
     out = []
     for p in range(spec.prefill_nodes):
         out += [(p, "prefill")] * spec.engines_per_node

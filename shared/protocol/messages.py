@@ -88,6 +88,9 @@ class LoadReport(Message):
     is_draining: bool = False
     rates: dict[str, float] = field(default_factory=dict)  # measured rates, e.g. prefill_tokens_per_s
     kv_format: KvFormat | None = None  # engines: the KV their cache holds
+    # when this process of the service started (unix s): a new value under the same id is a restart, and
+    # whatever the old process was serving is lost
+    incarnation_unix_s: float = 0.0
 
 
 @message

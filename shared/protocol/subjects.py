@@ -93,6 +93,10 @@ class Subjects:
     def transfer(self, engine_id: str) -> str:
         return f"{self.prefix}.transfer.{check_token(engine_id)}"
 
+    # -- move the query: route sessions with a holder engine (shared/protocol/movequery.py)
+    def route(self, engine_id: str) -> str:
+        return f"{self.prefix}.route.{check_token(engine_id)}"
+
     # -- CXL-RPC of a Beluga pool over NATS (clients on other hosts; same ops as the shared-memory rings)
     def cxl_rpc(self, pool_id: str) -> str:
         return f"{self.prefix}.cxl.rpc.{check_token(pool_id, 'pool id')}"

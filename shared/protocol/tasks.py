@@ -29,11 +29,12 @@ from typing import Any
 
 from shared.protocol.codec import U64_MAX, Message, message
 from shared.protocol.messages import SamplingParams
+from shared.protocol.movequery import HeldPrefix
 from shared.protocol.subjects import check_token
 
 MAX_ID_CHARS = 256
 
-READ_SIDES = ("", "pe", "de")
+READ_SIDES = ("", "pe", "de", "hbm")  # hbm: streamed from the decode engine's resident cache (AMPD)
 
 
 @message
@@ -43,7 +44,8 @@ class KvPlan(Message):
     `block_hashes`: one chained hash per full block of the prompt (`len(prompt) // block_size` of them),
     salted with the fingerprint the engines announced. `num_hit_blocks`: the leading blocks to load instead
     of computing (stored, and never more than `shared.blocks.max_hit_blocks`). `read_side`: disaggregated
-    serving only, whose node reads them ("pe" | "de"; "" reads nothing).
+    serving only, whose node reads them ("pe" | "de"; "" reads nothing), or "hbm": the decode engine streams
+    them from a session's KV resident in its cache (AMPD).
     """
 
     KIND = "kv_plan"
@@ -52,6 +54,7 @@ class KvPlan(Message):
     num_hit_blocks: int = 0
     read_side: str = ""
     salt: int = 0  # the chain's salt (shared.hashing.kv_salt: tenant and cache_salt); 0: unsalted
+    held: HeldPrefix | None = None  # the prompt starts with a chunk another engine holds (movequery.py)
 
     def check(self) -> None:
         if self.num_hit_blocks > len(self.block_hashes):
@@ -68,6 +71,8 @@ class RequestPlan(Message):
     RANGES = {
         "prompt_token_ids": (0, None),  # and below the vocabulary size (the engine checks, it knows it)
         "deadline_unix_s": (0.0, None),  # and not already passed (the engine checks on admission)
+        "ttft_slo_s": (0.0, None),
+        "itl_slo_s": (0.0, None),
     }
     request_id: str
     router_id: str  # token deltas go to tokens.<router_id>
@@ -76,6 +81,8 @@ class RequestPlan(Message):
     deadline_unix_s: float
     session_id: str = ""
     kv: KvPlan = field(default_factory=KvPlan)
+    ttft_slo_s: float = 0.0  # the request's SLOs (AMPD: prefill reordering); 0: none given
+    itl_slo_s: float = 0.0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -119,6 +126,7 @@ class BufferRef(Message):
     offset: int
     slot: int  # notices for this extent use tags slot * TAGS_PER_SLOT + layer (services/engine/receive_area)
     num_blocks: int
+    num_kept_blocks: int = 0  # leading blocks the owner holds already (a session's resident KV): not written
 
 
 @message

@@ -66,3 +66,33 @@ def test_a_killed_engine_and_a_killed_nats_server_are_restarted(tmp_path: Path) 
         assert up.stop() == 0, up.log()
     log = up.log_path.read_text()
     assert "restarted engine0-n0 (restart 1" in log and "restarted nats-server (restart 1)" in log
+
+
+def test_streams_of_an_engine_restarted_under_its_id_end_with_an_error(tmp_path: Path) -> None:
+    """`kvpath up` restarts a killed engine so fast that its load reports never stop: the router still tells
+    the new process from the old one (the reports' incarnation) and ends the old one's streams with an error
+    event and [DONE] instead of leaving them open until their deadline."""
+    import asyncio
+
+    import aiohttp
+
+    from loadgen.bench.fault_client import prompt, stream
+
+    up = UpProcess(tmp_path, "--no-kv-store")
+
+    async def run() -> tuple[str, str, float]:
+        started = asyncio.Event()
+        async with aiohttp.ClientSession() as http:
+            task = asyncio.ensure_future(stream(http, up.url, prompt(1, 100), 2000, started=started))
+            await asyncio.wait_for(started.wait(), 60)
+            os.kill(_state(up)["engine0-n0"]["pid"], signal.SIGKILL)
+            killed = time.monotonic()
+            end = await task
+        return end.outcome, end.message, time.monotonic() - killed
+
+    try:
+        outcome, message, seconds = asyncio.run(run())
+        assert outcome == "error" and "restarted" in message, (outcome, message)
+        assert seconds < 45  # ended by the restart, not by the request deadline or a hang (60 s)
+    finally:
+        assert up.stop() == 0, up.log()

@@ -53,6 +53,14 @@ def test_a_prefill_engine_with_ttft_slack_takes_it_first_in_the_given_order() ->
     assert route_prefill(turn(), de, [PrefillView("p9", ttft_s=0.9)], COSTS).target == "p9"
 
 
+def test_the_least_queue_option_takes_the_slack_engine_with_the_least_queued_work() -> None:
+    pes = [PrefillView("p1", 0.1, ((0, 500),)), PrefillView("p0", 0.2, ((0, 300),)), PrefillView("p2", 0.95)]
+    params = AmpdParams(slack_order="least-queue")
+    assert route_prefill(turn(), DecodeView("d", 0.0), pes, COSTS, params).target == "p0"  # p2: no slack
+    with pytest.raises(ConfigError):
+        AmpdParams(slack_order="fastest")
+
+
 def test_local_when_every_prefill_engine_is_congested_and_the_decode_engine_has_itl_slack() -> None:
     pes = [PrefillView("p0", ttft_s=2.0), PrefillView("p1", ttft_s=0.91)]
     for itl in (0.0, 0.085):  # empty window; exactly beta x SLO

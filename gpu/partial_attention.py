@@ -1,0 +1,174 @@
+"""Partial attention and its exact merge: attention over part of the keys as (o, m, l), combined by LSE.
+
+For query rows and a set of keys, a `Partial` holds, per row and head, in fp32: `o` the unnormalised output
+(sum of exp(s - m) v), `m` the largest logit and `l` the softmax denominator (sum of exp(s - m)). Partials
+over disjoint key sets merge exactly (online softmax, FlashAttention's carry between tiles, here between
+engines): m = max m_j, o = sum exp(m_j - m) o_j, l = sum exp(m_j - m) l_j, and o / l is attention over the
+union. An empty partial (no key: m = -inf, l = 0, o = 0) is the identity of the merge; merging only empty
+partials stays empty (no NaN).
+
+Shapes: a query is [T, H, dk] (T tokens, H heads); keys [S, G, dk] and values [S, G, dv] with H a multiple of
+G (GQA: head h reads key head h // (H / G)). Absorbed MLA is the case G = 1: the cache rows
+[latent ; rope key] are the keys and their latent part the values, and the partial's o is a latent output
+(W_UV and W_O are linear, so merging before them is exact).
+
+On the wire a partial is packed as one fp32 array [T, H, dv + 2] = (o, m, l) per row: one put per reply.
+`PrefixAttention` is the seam the runner calls when a sequence's leading context is not in its cache
+(`gpu/partial_attention_routed.py` runs it inside the forward).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+SCORE_ELEMENTS = 1 << 20  # bound on one [groups, rows, keys] fp32 score chunk (4 MiB: stays in cache)
+
+# cache rows [S, kv_dim] of one layer -> (keys [S, G, dk], values [S, G, dv]) in the model's layout
+KvSplit = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class Partial:
+    """Attention of T query rows x H heads over part of the keys (fp32)."""
+
+    o: torch.Tensor  # [T, H, dv] unnormalised output
+    m: torch.Tensor  # [T, H] max logit (-inf: no key)
+    l: torch.Tensor  # noqa: E741 (the paper's name) [T, H] softmax denominator at m
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.o.shape[0])
+
+
+def empty_partial(num_rows: int, num_heads: int, value_dim: int, device: torch.device | str) -> Partial:
+    """The merge's identity: attention over no key."""
+    return Partial(
+        o=torch.zeros(num_rows, num_heads, value_dim, device=device),
+        m=torch.full((num_rows, num_heads), float("-inf"), device=device),
+        l=torch.zeros(num_rows, num_heads, device=device),
+    )
+
+
+def attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    *,
+    query_positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
+) -> Partial:
+    """The partial of `query` [T, H, dk] over `keys` [S, G, dk] / `values` [S, G, dv], computed in fp32.
+
+    With positions given, key t is visible to query row i only when key_positions[t] <= query_positions[i]
+    (causal masking that holds across any split of the keys)."""
+    num_rows, num_heads, key_dim = query.shape
+    num_keys, groups, value_dim = values.shape
+    if num_keys == 0 or num_rows == 0:
+        return empty_partial(num_rows, num_heads, value_dim, query.device)
+    per_group = num_heads // groups
+    assert per_group * groups == num_heads, f"{num_heads} heads over {groups} key heads"
+    q = query.float().reshape(num_rows, groups, per_group, key_dim).permute(1, 0, 2, 3)
+    k = keys.float().transpose(0, 1)  # [G, S, dk]
+    v = values.float().transpose(0, 1)  # [G, S, dv]
+    rows_per_chunk = max(1, SCORE_ELEMENTS // (groups * per_group * num_keys))
+    parts = []
+    for start in range(0, num_rows, rows_per_chunk):
+        end = min(num_rows, start + rows_per_chunk)
+        mask = None
+        if query_positions is not None and key_positions is not None:
+            mask = key_positions[None, :] <= query_positions[start:end, None]  # [t, S]
+        parts.append(_attend_rows(q[:, start:end], k, v, scale, mask))
+    o, m, denom = (torch.cat(x, dim=0) if len(parts) > 1 else x[0] for x in zip(*parts, strict=True))
+    return Partial(o=o, m=m, l=denom)
+
+
+def _attend_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [G, t, r, dk] against k [G, S, dk], v [G, S, dv] -> o [t, G*r, dv], m and l [t, G*r]."""
+    groups, rows, per_group, key_dim = q.shape
+    scores = torch.bmm(q.reshape(groups, rows * per_group, key_dim), k.transpose(1, 2)).mul_(scale)
+    scores = scores.view(groups, rows, per_group, -1)
+    if mask is not None:
+        scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
+    m = scores.amax(dim=-1)  # [G, t, r]
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row with no visible key stays empty
+    weights = torch.exp(scores.sub_(m_safe[..., None]))
+    denom = weights.sum(dim=-1)
+    o = torch.bmm(weights.view(groups, rows * per_group, -1), v).view(groups, rows, per_group, -1)
+    return (
+        o.permute(1, 0, 2, 3).reshape(rows, groups * per_group, -1),
+        m.permute(1, 0, 2).reshape(rows, -1),
+        denom.permute(1, 0, 2).reshape(rows, -1),
+    )
+
+
+def merge(partials: Sequence[Partial]) -> Partial:
+    """Exact combination of partials over disjoint key sets (any order, any grouping)."""
+    if len(partials) == 1:
+        return partials[0]
+    m = torch.stack([p.m for p in partials]).amax(dim=0)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    o = torch.zeros_like(partials[0].o)
+    denom = torch.zeros_like(partials[0].l)
+    for p in partials:
+        weight = torch.exp(p.m - m_safe)  # 0 for an empty partial (m = -inf)
+        denom += weight * p.l
+        o += weight[..., None] * p.o
+    return Partial(o=o, m=m, l=denom)
+
+
+def finalize(partial: Partial) -> torch.Tensor:
+    """Attention output o / l [T, H, dv] (fp32); rows with no visible key give 0."""
+    return partial.o / partial.l.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+
+
+def pack(partial: Partial) -> torch.Tensor:
+    """The wire form: fp32 [T, H, dv + 2] = (o, m, l) per row and head, contiguous."""
+    return torch.cat((partial.o, partial.m[..., None], partial.l[..., None]), dim=-1)
+
+
+def unpack(packed: torch.Tensor) -> Partial:
+    """Views into a packed [T, H, dv + 2] fp32 array (no copy)."""
+    return Partial(o=packed[..., :-2], m=packed[..., -2], l=packed[..., -1])
+
+
+class PrefixAttention(abc.ABC):
+    """Attention over a sequence's leading context that is not in the paged cache: a chunk held by another
+    engine (route), or a local copy of it (after a fetch or a recompute).
+
+    The runner calls it from its worker thread, once per layer of every forward the sequence is in, in layer
+    order: `begin` with the layer's query rows (it may start a network exchange and return at once), then,
+    after the local attention ran, `end` for their partial. `end` may block (waiting for a reply) but must
+    return or raise within its own deadline; it never sees another sequence's rows."""
+
+    num_tokens: int  # leading positions [0, num_tokens) it covers; the cache holds the rest
+
+    @abc.abstractmethod
+    def begin(self, layer: int, query: torch.Tensor, split: KvSplit, scale: float) -> None:
+        """Query rows [T, H, dk] of this layer (their positions are all >= num_tokens)."""
+
+    @abc.abstractmethod
+    def end(self, layer: int) -> Partial:
+        """The partial of the rows given to `begin(layer, ...)` over positions [0, num_tokens)."""
+
+
+class LocalPrefix(PrefixAttention):
+    """The prefix's KV held here as one tensor [layers, num_tokens, kv_dim] (cache-row layout)."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+        self.num_tokens = int(rows.shape[1])
+        self._pending: dict[int, Partial] = {}
+
+    def begin(self, layer: int, query: torch.Tensor, split: KvSplit, scale: float) -> None:
+        keys, values = split(self.rows[layer])
+        self._pending[layer] = attend(query, keys, values, scale)
+
+    def end(self, layer: int) -> Partial:
+        return self._pending.pop(layer)

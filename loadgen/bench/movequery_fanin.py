@@ -1,0 +1,182 @@
+"""Agentic fan-in of `kvpath bench movequery --fanin`: one holder, sub-agents on other engines.
+
+Per primitive (`route`, `fetch`, `local`, `auto`: the router's `--move-query` mode) a fresh cluster of real
+processes: nats-server, index, storage, engine-0 (the holder: `--hold-bytes`; it persists its KV, so the
+document can be fetched), then `--engines` requester engines and the router. The document is prefilled once
+on engine-0 alone (it pins it and the store keeps it); then, for each N, N sub-agents (the document + their
+own suffix of 64-512 tokens) stream at once. Per row: TTFT p50, decode tokens/s (median over the sub-agents
+of each one's tokens after its first over the time they took) and the KV bytes the
+sub-agents keep resident on the requesters (document + suffix + output per fetched or recomputed request,
+suffix + output per routed one: the router's choices counted from its metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from services.up.process import ServiceStack
+from shared.bus import Bus, Registry
+from shared.natsserver import NatsServer
+from shared.protocol import ServiceInfo
+
+BLOCK = 64
+READY_TIMEOUT_S = 120.0
+
+
+def _engine_args(*, holds: bool, doc_tokens: int) -> list[str]:
+    args = ["--move-query", "--kv-backends", "shm", "--route-timeout-s", "5"]
+    if holds:
+        return [*args, "--hold-bytes", str(256 << 20), "--hold-min-tokens", str(doc_tokens)]
+    return [*args, "--no-persist-kv"]
+
+
+async def _until(check: Any, what: str, timeout_s: float = READY_TIMEOUT_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fan-in bench: {what} not within {timeout_s:.0f} s")
+        await asyncio.sleep(0.1)
+
+
+async def _ready(stack: ServiceStack, registry: Registry[ServiceInfo], num_engines: int) -> dict[str, Any]:
+    """The registry's ready services once the router sees `num_engines` engines."""
+
+    async def ready() -> dict[str, Any] | None:
+        for p in stack.procs:
+            if p.proc.poll() is not None:
+                raise RuntimeError(f"{p.service_id} exited: {p.log()}")
+        services = {s.service_id: s for s in await registry.list() if s.status == "ready"}
+        router = services.get("router-0")
+        if router is None:
+            return None
+        try:
+            async with aiohttp.ClientSession() as http, http.get(f"{router.http_url}/health") as resp:
+                seen = resp.status == 200 and (await resp.json())["engines"] >= num_engines
+        except aiohttp.ClientError:
+            return None
+        return services if seen else None
+
+    return dict(await _until(ready, f"router seeing {num_engines} engines"))
+
+
+async def _stream(
+    http: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int
+) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    body |= {"temperature": 0, "stream": True}
+    started, stamps = time.perf_counter(), []
+    async with http.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"fan-in request failed: {resp.status} {await resp.text()}")
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                stamps.append(time.perf_counter())
+    return {"ttft_s": stamps[0] - started, "first": stamps[0], "last": stamps[-1], "tokens": len(stamps)}
+
+
+async def _choices(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvpath_router_movequery_choices_total{"):
+            primitive = line.split('primitive="', 1)[1].split('"', 1)[0]
+            out[primitive] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def _one_primitive(primitive: str, opts: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
+    rng = random.Random(16)
+    doc = [rng.randrange(3, 250) for _ in range(opts["doc_tokens"])]
+    with NatsServer(store_dir=str(tmp / "nats")) as nats:
+        namespace = f"mq{primitive}{rng.randrange(1 << 20)}"
+        stack = ServiceStack(tmp, nats, namespace)
+        bus = Bus(nats.url, namespace, name="bench")
+        try:
+            await bus.connect()
+            registry: Registry[ServiceInfo] = Registry(bus, ttl_s=5.0)
+            await registry.open()
+            stack.start("index", "index-0")
+            stack.start("storage", "storage-0", "--root", str(tmp / "store"))
+            stack.start("engine", "engine-0", *_engine_args(holds=True, doc_tokens=len(doc)))
+            router_args = ["--http-port", "0", "--move-query", primitive, "--movequery-fabric", "shm"]
+            if opts.get("profile"):  # the profile the microbenchmark just calibrated
+                router_args += ["--movequery-profile", opts["profile"]]
+            stack.start("router", "router-0", *router_args)
+            ready = await _ready(stack, registry, 1)
+            url, kv_format = ready["router-0"].http_url, ready["engine-0"].kv_format
+            opts = {**opts, "kv_bytes_per_token": kv_format.bytes_per_token}
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+                await _stream(http, url, doc, 2)  # prefilled once, pinned, persisted
+                for i in range(opts["engines"]):
+                    stack.start("engine", f"engine-{i + 1}", *_engine_args(holds=False, doc_tokens=len(doc)))
+                await _ready(stack, registry, opts["engines"] + 1)
+                return [await _fan_in(http, url, doc, n, primitive, opts, rng) for n in opts["ns"]]
+        finally:
+            await bus.close()
+            stack.stop()
+
+
+async def _fan_in(
+    http: aiohttp.ClientSession,
+    url: str,
+    doc: list[int],
+    n: int,
+    primitive: str,
+    opts: dict[str, Any],
+    rng: random.Random,
+) -> dict[str, Any]:
+    suffixes = [[rng.randrange(3, 250) for _ in range(rng.randrange(64, 513))] for _ in range(n)]
+    before = await _choices(http, url)
+    runs = await asyncio.gather(*(_stream(http, url, doc + s, opts["max_tokens"]) for s in suffixes))
+    after = await _choices(http, url)
+    routed = after.get("route", 0.0) - before.get("route", 0.0)
+    rates = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in runs if r["last"] > r["first"]]
+    resident = sum(len(s) + opts["max_tokens"] for s in suffixes) + (n - routed) * len(doc)
+    return {
+        "n": n,
+        "primitive": primitive,
+        "ttft_p50_s": statistics.median(r["ttft_s"] for r in runs),
+        "decode_tok_s": statistics.median(rates) if rates else 0.0,
+        "kv_bytes": int(resident * opts["kv_bytes_per_token"]),
+        "routed": int(routed),
+    }
+
+
+def run_fanin(opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows of {n, primitive, ttft_p50_s, decode_tok_s, kv_bytes, routed} for every primitive and N."""
+    rows = []
+    for primitive in opts["primitives"]:
+        with tempfile.TemporaryDirectory(prefix=f"kvpath-mq-{primitive}-") as tmp:
+            rows += asyncio.run(_one_primitive(primitive, opts, Path(tmp)))
+    return rows
+
+
+def format_fanin(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "fan-in: one holder, N sub-agents on other engines",
+        "  N  primitive  TTFT p50 ms  decode tok/s  KV MB",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['n']:>3}  {r['primitive']:<9}{r['ttft_p50_s'] * 1e3:>12.1f}{r['decode_tok_s']:>14.1f}"
+            f"{r['kv_bytes'] / 1e6:>7.1f}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # manual runs: python -m loadgen.bench.movequery_fanin
+    opts = {"primitives": ["route"], "ns": [4], "engines": 2, "doc_tokens": 1024, "max_tokens": 16}
+    print(json.dumps(run_fanin(opts), indent=2))

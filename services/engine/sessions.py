@@ -1,0 +1,212 @@
+"""Sessions' KV kept resident in a decode engine's paged cache between turns (AMPD brief §2.2, §4.1).
+
+When a turn of a session ends, its blocks stay in the cache (`SessionCache.keep`) instead of going back to the
+free list; the session's next turn on this engine takes them (`take`) and computes only what is new. Idle
+resident KV is evicted under memory pressure, the session idle longest first: `SessionAllocator` wraps the
+cache's allocator for the scheduler, so a step that needs blocks evicts before it preempts. Evicted KV is not
+lost: every full block was persisted to storage as it filled, so the next turn loads it from there.
+
+Resident full blocks are announced to the index as location `hbm:<engine id>` (BlockStored when kept,
+BlockRemoved when dropped or evicted, Cleared on start and stop), so the router knows how much of a prompt an
+engine holds. Events that cannot be published are counted and dropped: they steer routing, never
+correctness (a stale entry makes the router expect a resident prefix the engine then does not find, and
+the turn loads or recomputes it).
+
+Ownership: an entry belongs to the cache while the session is idle; `take` hands its blocks to the turn's
+`Sequence`, and `keep` takes them back. The cache never frees blocks a sequence holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from services.engine import metrics
+from shared.bus import Bus
+from shared.errors import KvpathError
+from shared.kvclient import IndexClient, KvEventPublisher
+
+log = logging.getLogger(__name__)
+
+INDEX_WAIT_S = 2.0  # longest a turn's last token waits for the index to know its resident blocks
+CLOSE_WAIT_S = 1.0
+
+
+@dataclass(slots=True)
+class ResidentKv:
+    """One idle session's KV: the tokens whose KV the blocks hold (the last partial block included) and the
+    chained hashes of its full blocks, as announced."""
+
+    session_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    block_hashes: list[int]
+    idle_since: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists (vectorised)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64)
+    first = int(np.argmax(differ))
+    return first if differ[first] else n
+
+
+class ResidentAnnouncer:
+    """KV events of location `hbm:<engine id>` on the engine's own event source."""
+
+    def __init__(self, bus: Bus, engine_id: str, *, block_tokens: int) -> None:
+        self.location = f"hbm:{engine_id}"
+        self.events = KvEventPublisher(bus, f"hbm-{engine_id}")
+        self.index = IndexClient(bus)
+        self.block_tokens = block_tokens
+
+    async def start(self) -> None:
+        try:
+            await self.events.start()
+            await self.events.cleared([self.location], reason="restarted")
+        except KvpathError as exc:
+            log.warning("KV events unavailable for %s: %s", self.location, exc.message)
+
+    async def changed(self, removed: list[int], stored: list[int], parents: list[int]) -> None:
+        """BlockRemoved for `removed`, then BlockStored for `stored`, and wait (bounded) for the index to
+        apply them, so the session's next turn is routed by them."""
+        try:
+            seq = 0
+            if removed:
+                seq = await self.events.removed(self.location, removed, reason="replaced")
+            if stored:
+                seq = await self.events.stored(self.location, stored, parents, block_tokens=self.block_tokens)
+            if seq:
+                await self.index.wait_applied(seq, timeout_s=INDEX_WAIT_S)
+        except KvpathError as exc:
+            metrics.SESSION_EVENT_FAILURES.inc()
+            log.warning("resident KV of %s not announced: %s", self.location, exc.message)
+
+    async def removed(self, hashes: list[int]) -> None:
+        try:
+            await self.events.removed(self.location, hashes, reason="evicted")
+        except KvpathError as exc:
+            metrics.SESSION_EVENT_FAILURES.inc()
+            log.warning("BlockRemoved for %s not published: %s", self.location, exc.message)
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self.events.cleared([self.location], reason="released"), CLOSE_WAIT_S)
+        except (KvpathError, TimeoutError) as exc:
+            log.debug("Cleared for %s not published: %r", self.location, exc)
+
+
+class SessionCache:
+    """Idle sessions' resident KV, least recently used first."""
+
+    def __init__(self, kv: Any, announcer: ResidentAnnouncer | None) -> None:
+        self.kv = kv  # the paged cache (its allocator)
+        self.announcer = announcer
+        self._entries: OrderedDict[str, ResidentKv] = OrderedDict()
+        self.num_blocks = 0
+        self._tasks: set[asyncio.Future[Any]] = set()
+        metrics.SESSION_RESIDENT_BLOCKS.set_function(lambda: self.num_blocks)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, session_id: str) -> ResidentKv | None:
+        return self._entries.get(session_id)
+
+    def take(self, session_id: str) -> ResidentKv | None:
+        """The session's resident KV, handed to its new turn (the cache no longer holds or evicts it)."""
+        entry = self._entries.pop(session_id, None)
+        if entry is not None:
+            self.num_blocks -= len(entry.block_ids)
+        return entry
+
+    def keep(self, entry: ResidentKv) -> bool:
+        """Hold a turn's KV for the session's next turn. A session already holding KV (a concurrent turn of
+        it finished first) keeps the longer of the two; False when that is the old one (the new blocks are
+        freed)."""
+        old = self._entries.get(entry.session_id)
+        if old is not None:
+            if old.num_tokens >= entry.num_tokens:
+                self.kv.free(entry.block_ids)
+                return False
+            self._drop(old, announce_removed=False)
+        self._entries[entry.session_id] = entry
+        self.num_blocks += len(entry.block_ids)
+        return True
+
+    def evict(self, num_blocks: int) -> int:
+        """Free at least `num_blocks` blocks, idle-longest sessions first (fewer if not enough are resident);
+        return how many were freed."""
+        freed = 0
+        while freed < num_blocks and self._entries:
+            _, entry = next(iter(self._entries.items()))
+            freed += len(entry.block_ids)
+            self._drop(entry, announce_removed=True)
+            metrics.SESSION_EVICTIONS.inc()
+            log.debug("session evicted session_id=%s blocks=%d", entry.session_id, len(entry.block_ids))
+        return freed
+
+    def _drop(self, entry: ResidentKv, *, announce_removed: bool) -> None:
+        del self._entries[entry.session_id]
+        self.num_blocks -= len(entry.block_ids)
+        self.kv.free(entry.block_ids)
+        if announce_removed and entry.block_hashes and self.announcer is not None:
+            self._keep_task(self.announcer.removed(entry.block_hashes))
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Blocks a turn took with its session's KV but does not need (past the common prefix)."""
+        if block_ids:
+            self.kv.free(list(block_ids))
+
+    def _keep_task(self, work: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for entry in list(self._entries.values()):
+            self._drop(entry, announce_removed=False)
+        if self.announcer is not None:
+            await self.announcer.close()
+
+
+class SessionAllocator:
+    """The scheduler's block allocator on an engine with resident sessions: resident blocks count as free
+    (they are evictable), and an allocation the free list cannot serve evicts idle sessions first."""
+
+    def __init__(self, kv: Any, sessions: SessionCache) -> None:
+        self.kv = kv
+        self.sessions = sessions
+
+    @property
+    def num_free_blocks(self) -> int:
+        return int(self.kv.num_free_blocks) + self.sessions.num_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        short = n - self.kv.num_free_blocks
+        if short > 0:
+            self.sessions.evict(short)
+        return list(self.kv.allocate(n))
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        self.kv.free(block_ids)

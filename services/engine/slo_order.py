@@ -1,0 +1,103 @@
+"""The engine's side of AMPD's Algorithm 2: which waiting sequence its scheduler admits next
+(`--prefill-order slo`; the policy itself is `services/policy/ampd_reorder.py`).
+
+The scheduler calls the order before each admission from its waiting queue; it reorders the head of the queue
+so that the head runs next. Sequences whose first token is out already (a prompt prefilled on another engine
+waiting for its import, a preempted sequence to recompute) have no TTFT left to meet: nothing is reordered
+across them (they run in their FIFO turn). A task's estimated prefill time comes from the engine's cost
+model: the profile file (`--cost-profile`) or, without one, the prefill rate this engine measures.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from services.engine.config import EngineConfig
+from services.engine.sequence import Sequence
+from services.policy.ampd_costs import CostModel, linear_cost_model
+from services.policy.ampd_reorder import QueuedPrefill, next_order
+from services.policy.quota import RateMeter
+from services.policy.thresholds import FALLBACK_PREFILL_TOKENS_PER_S
+
+
+class SloPrefillOrder:
+    def __init__(
+        self,
+        costs: Callable[[], CostModel],
+        *,
+        kind: str,
+        window: int,
+        default_ttft_slo_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.costs = costs  # the current model (a measured rate may refine it over time)
+        self.kind = kind
+        self.window = window
+        self.default_ttft_slo_s = default_ttft_slo_s
+        self.clock = clock
+
+    def __call__(self, waiting: deque[Sequence], start: int) -> None:
+        head: list[Sequence] = []
+        for i in range(start, min(len(waiting), start + self.window)):
+            if waiting[i].output_token_ids:
+                break  # nothing is reordered across a sequence whose first token is out
+            head.append(waiting[i])
+        if len(head) < 2:
+            return
+        now, costs = self.clock(), self.costs()
+        chosen = next_order([self._queued(s, now, costs) for s in head], self.window)
+        if chosen.order == tuple(range(len(head))):
+            return
+        for j in chosen.postponed:
+            head[j].num_postponed += 1
+        for offset, k in enumerate(chosen.order):
+            waiting[start + offset] = head[k]
+
+    def _queued(self, seq: Sequence, now: float, costs: CostModel) -> QueuedPrefill:
+        done = max(seq.num_computed_tokens, seq.num_hit_tokens)
+        return QueuedPrefill(
+            waited_s=now - seq.arrived_at,
+            prefill_s=costs.prefill_s(done, seq.prefill_target - done, self.kind),
+            ttft_slo_s=seq.plan.ttft_slo_s or self.default_ttft_slo_s,
+            num_postponed=seq.num_postponed,
+        )
+
+
+def build_prefill_order(config: EngineConfig, rate: RateMeter) -> SloPrefillOrder | None:
+    """The engine's prefill order: None for first come, first served; Algorithm 2 for `slo`, its estimates
+    from the profile file when one is given, else from the prefill rate the engine measures (`rate`)."""
+    if config.prefill_order != "slo":
+        return None
+    if config.cost_profile:
+        profiled = CostModel.from_dict(json.loads(Path(config.cost_profile).read_text()))
+        costs: Callable[[], CostModel] = lambda: profiled  # noqa: E731
+    else:
+        costs = _MeasuredCosts(rate).current
+    return SloPrefillOrder(
+        costs, kind=config.role, window=config.reorder_window, default_ttft_slo_s=config.ttft_slo_s
+    )
+
+
+class _MeasuredCosts:
+    """A linear T_pre from the engine's measured prefill rate, rebuilt when the rate moves by over 10%."""
+
+    def __init__(self, rate: RateMeter) -> None:
+        self.rate = rate
+        self._model = self._build(FALLBACK_PREFILL_TOKENS_PER_S)
+
+    def _build(self, tokens_per_s: float) -> CostModel:
+        return linear_cost_model(
+            prefill_tokens_per_s=tokens_per_s, decode_step_s=0.0, kv_bytes_per_token=1, link_bytes_per_s={}
+        )
+
+    def current(self) -> CostModel:
+        measured = self.rate.value
+        if measured > 0:
+            modelled = 1.0 / self._model.prefill_s(0, 1)
+            if abs(measured - modelled) > 0.1 * modelled:
+                self._model = self._build(measured)
+        return self._model

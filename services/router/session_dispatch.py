@@ -1,0 +1,335 @@
+"""Session dispatch (`--policy ampd | disagg-remote | session-colocated`): AMPD and its two baselines.
+
+Every request belongs to a session (`X-Session-Id` or `user`; a request without one is a session of its
+own). A session is bound to one decode engine with `--session-kv`, which keeps its KV between turns
+(`bind_session`: lowest KV occupancy, then fewest running, then id); a bound engine that died, left or keeps
+refusing is replaced (the session rebinds and its next turn loads its stored KV). Each turn's prefill is
+routed by the policy's mode (`services/policy/ampd.py`):
+  ampd               Algorithm 1 over the windowed TTFT of every prefill engine and ITL of the bound engine;
+  disagg-remote      always a prefill engine (round robin or least queue): Dynamo-style disaggregation;
+  session-colocated  always the bound engine itself: vLLM-style colocation with prefix caching.
+Local: a `GenerateTask` to the bound engine. Remote: a `DecodeTask` to the bound engine (it keeps the
+resident blocks the prompt still starts with and names them in its buffer), then a `PrefillTask` to the
+prefill engine, which reads the history from the decode engine's cache ("hbm") or from storage ("pe"),
+whichever the cost model says is cheaper, and writes back only the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.policy.ampd import (
+    SOURCE_HBM,
+    SOURCE_STORAGE,
+    AmpdParams,
+    DecodeOccupancy,
+    DecodeView,
+    PrefillView,
+    RouteDecision,
+    TurnPrefill,
+    bind_session,
+    policy_mode,
+    remote_history,
+    route_by_mode,
+)
+from services.policy.ampd_costs import STORAGE, CostModel, linear_cost_model
+from services.policy.snapshot import ROLE_DECODE, ROLE_PREFILL
+from services.policy.thresholds import FALLBACK_PREFILL_TOKENS_PER_S
+from services.router import metrics
+from services.router.config import RouterConfig
+from services.router.dispatch import MAX_DISPATCH_ATTEMPTS, Dispatch, publish_abort
+from services.router.engines import ROLE_STORAGE, EngineTable
+from services.router.sessions import Flight, FlightBook, SessionTable
+from services.router.streams import StreamTable
+from shared.blocks import max_hit_blocks
+from shared.bus import Bus
+from shared.errors import (
+    DeadlineExceededError,
+    KvpathError,
+    NoEngineAvailableError,
+    OverloadedError,
+    ServiceUnavailableError,
+    error_from_code,
+)
+from shared.protocol import GenerateTask, KvPlan, Message, RequestPlan, TaskAck, TokenBatch
+from shared.protocol.tasks import DecodeTask, PrefillTask
+
+log = logging.getLogger(__name__)
+
+FALLBACK_LINK_BYTES_PER_S = 1e9  # a link nobody measured (no profile, no storage report)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionParams:
+    mode: str  # one of services.policy.ampd.MODES
+    ampd: AmpdParams
+    window_s: float
+    cost_profile: str = ""  # the `kvpath profile` file; "" builds the model from the engines' rates
+
+
+class SessionDispatch(Dispatch):
+    def __init__(
+        self, engines: EngineTable, bus: Bus, router_id: str, ack_timeout_s: float, params: SessionParams
+    ) -> None:
+        super().__init__(engines, bus, router_id, ack_timeout_s)
+        self.params = params
+        self.sessions = SessionTable()
+        self.flights = FlightBook(params.window_s)
+        self.profiled = load_cost_profile(params.cost_profile) if params.cost_profile else None
+        self.rng = random.Random()
+        self.rr_cursor = 0
+
+    # ------------------------------------------------------------------------------ router core hooks
+
+    def on_token_batch(self, batch: TokenBatch, now: float) -> None:
+        self.flights.observe(batch, now)
+
+    def release(self, request_id: str) -> None:
+        self.flights.end(request_id)
+
+    # -------------------------------------------------------------------------------------- dispatch
+
+    async def dispatch(
+        self, plan: RequestPlan, deadline: float, streams: StreamTable, locality: Mapping[str, int]
+    ) -> dict[str, float]:
+        started = time.monotonic()
+        session = plan.session_id or plan.request_id
+        stored_blocks = self._stored_blocks(plan, locality)
+        tried: set[str] = set()
+        error: KvpathError | None = None
+        for _ in range(MAX_DISPATCH_ATTEMPTS):
+            de = self._decode_engine(session, tried)
+            if de is None:
+                break
+            turn = self._turn(plan, de, locality, stored_blocks)
+            decision = self._route(turn, de)
+            streams.assign(plan.request_id, de)
+            try:
+                if decision.is_local:
+                    timings = await self._send_local(plan, de, stored_blocks, deadline)
+                else:
+                    timings = await self._send_remote(plan, de, decision, stored_blocks, deadline, streams)
+            except (ServiceUnavailableError, DeadlineExceededError, OverloadedError) as exc:
+                streams.unassign(plan.request_id, de)  # the decode engine did not take it: try another
+                log.warning("session engine refused request_id=%s engine=%s: %s", plan.request_id, de, exc)
+                await publish_abort(self.bus, plan.request_id, "dispatch failed")
+                self.sessions.unbind(session)
+                tried.add(de)
+                error = exc
+                continue
+            self._started(plan, de, turn, decision, started)
+            return timings
+        if isinstance(error, OverloadedError):
+            raise error
+        raise NoEngineAvailableError(
+            "no session engine is available" + (f" (last error: {error.message})" if error else "")
+        )
+
+    def _decode_engine(self, session: str, tried: set[str]) -> str | None:
+        """The session's live bound engine, or a new binding (lowest occupancy) among the untried ones."""
+        now = time.monotonic()
+        live = [st for st in self.engines.live(now, roles=(ROLE_DECODE,)) if not st.report.is_draining]
+        bound = self.sessions.bound(session)
+        if bound is not None and bound not in tried and any(st.report.service_id == bound for st in live):
+            return bound
+        block_size = self._block_size()
+        loads = [
+            DecodeOccupancy(
+                engine_id=st.report.service_id,
+                used_kv_tokens=(st.report.total_kv_blocks - st.report.free_kv_blocks) * block_size
+                + st.pending_kv_tokens,
+                total_kv_tokens=st.report.total_kv_blocks * block_size,
+                num_running=st.report.num_running + st.pending_requests,
+            )
+            for st in live
+            if st.report.service_id not in tried
+        ]
+        engine_id = bind_session(loads)
+        if engine_id is not None:
+            metrics.SESSION_BINDS.labels("rebound" if bound is not None else "new").inc()
+            self.sessions.bind(session, engine_id)
+        return engine_id
+
+    def _route(self, turn: TurnPrefill, de: str) -> RouteDecision:
+        now = time.monotonic()
+        prefills = [
+            PrefillView(pe, self.flights.ttft.mean(pe, now), self.flights.queue(pe))
+            for pe in self._live_ids(ROLE_PREFILL, now)
+        ]
+        self.rng.shuffle(prefills)  # Algorithm 1, line 1: "in random order"
+        decode = DecodeView(de, self.flights.itl.mean(de, now), self.flights.queue(de))
+        decision, self.rr_cursor = route_by_mode(
+            self.params.mode, turn, decode, prefills, self.costs(), self.params.ampd, self.rr_cursor
+        )
+        if decision is None:
+            raise NoEngineAvailableError("no live prefill engine")
+        return decision
+
+    def _turn(
+        self, plan: RequestPlan, de: str, locality: Mapping[str, int], stored_blocks: int
+    ) -> TurnPrefill:
+        block_size = self._block_size()
+        usable = max_hit_blocks(plan.num_prompt_tokens, block_size)
+        resident = min(locality.get(f"hbm:{de}", 0), usable) * block_size
+        stored = stored_blocks * block_size
+        history = max(resident, stored)
+        return TurnPrefill(
+            history, plan.num_prompt_tokens - history, resident, stored, plan.ttft_slo_s, plan.itl_slo_s
+        )
+
+    def _stored_blocks(self, plan: RequestPlan, locality: Mapping[str, int]) -> int:
+        """Leading blocks of the prompt in storage (the index's `store` location; without per-location
+        answers, the plan's hit count)."""
+        usable = max_hit_blocks(plan.num_prompt_tokens, self._block_size())
+        stored = locality.get("store", 0) if locality else plan.kv.num_hit_blocks
+        return min(stored, usable)
+
+    # ----------------------------------------------------------------------------------------- sends
+
+    async def _send_local(
+        self, plan: RequestPlan, de: str, stored_blocks: int, deadline: float
+    ) -> dict[str, float]:
+        """The bound engine prefills the turn itself (from its resident KV, or its stored prefix)."""
+        plan.kv = KvPlan(block_hashes=plan.kv.block_hashes, num_hit_blocks=stored_blocks)
+        ack = await self._ask(de, GenerateTask(plan=plan), deadline)
+        _raise_refusal(ack, "session engine refused the turn")
+        self.engines.note_assigned(de, plan.num_prompt_tokens, kv_tokens=_kv_need(plan))
+        return {}
+
+    async def _send_remote(
+        self,
+        plan: RequestPlan,
+        de: str,
+        decision: RouteDecision,
+        stored_blocks: int,
+        deadline: float,
+        streams: StreamTable,
+    ) -> dict[str, float]:
+        """DE first (it keeps the resident blocks and names them), then the PE with the history source."""
+        placed = time.monotonic()
+        pe = decision.target
+        hashes = plan.kv.block_hashes
+        plan.kv = KvPlan(block_hashes=hashes)
+        de_ack = await self._ask(de, DecodeTask(plan=plan, pe_id=pe), deadline)
+        _raise_refusal(de_ack, "session engine refused the turn")
+        if de_ack.buffer is None:
+            raise error_from_code("internal_error", f"session engine {de} named no buffer")
+        self.engines.note_assigned(de, plan.num_prompt_tokens, kv_tokens=_kv_need(plan))
+        plan.kv = self._history_plan(plan, de_ack.buffer.num_kept_blocks, stored_blocks)
+        timings = {"schedule_s": 0.0, "allocate_s": time.monotonic() - placed}
+        streams.assign(plan.request_id, pe)
+        try:
+            pe_ack = await self._ask(
+                pe, PrefillTask(plan=plan, de_buffer=de_ack.buffer, timings=timings), deadline
+            )
+        except KvpathError as exc:  # the DE holds a turn nobody will prefill: drop it, fail the request
+            await publish_abort(self.bus, plan.request_id, "prefill engine unreachable")
+            raise error_from_code("engine_failed", f"prefill engine {pe}: {exc.message}") from exc
+        if not pe_ack.accepted:
+            await publish_abort(self.bus, plan.request_id, "prefill engine refused")
+            raise error_from_code(pe_ack.code or "overloaded", pe_ack.message or "prefill engine refused")
+        self.engines.note_assigned(pe, plan.num_prompt_tokens)
+        timings["allocate_s"] = time.monotonic() - placed
+        metrics.TTFT_STAGE.labels("allocate").observe(timings["allocate_s"])
+        return timings
+
+    def _history_plan(self, plan: RequestPlan, kept_blocks: int, stored_blocks: int) -> KvPlan:
+        """Where the PE gets the history: the decode engine's kept blocks or storage, the cheaper."""
+        block_size = self._block_size()
+        usable = max_hit_blocks(plan.num_prompt_tokens, block_size)
+        kept = min(kept_blocks, usable) * block_size
+        stored = stored_blocks * block_size
+        history = max(kept, stored)
+        turn = TurnPrefill(history, plan.num_prompt_tokens - history, kept, stored, 1.0, 1.0)
+        source, _, tokens = remote_history(turn, self.costs(), self.params.ampd.data_link)
+        if source not in (SOURCE_HBM, SOURCE_STORAGE):
+            return KvPlan(block_hashes=plan.kv.block_hashes)
+        return KvPlan(
+            block_hashes=plan.kv.block_hashes, num_hit_blocks=tokens // block_size, read_side=source
+        )
+
+    def _started(
+        self, plan: RequestPlan, de: str, turn: TurnPrefill, decision: RouteDecision, started: float
+    ) -> None:
+        metrics.SESSION_ROUTES.labels("local" if decision.is_local else "remote", decision.reason).inc()
+        prefill_engine = de if decision.is_local else decision.target
+        work = (turn.l_hist, turn.l_incr)
+        self.flights.start(plan.request_id, Flight(prefill_engine, de, work, started, decision.is_local))
+        log.debug(
+            "session turn request_id=%s de=%s route=%s reason=%s estimate_s=%.4f",
+            plan.request_id, de, decision.target, decision.reason, decision.estimate_s,
+        )  # fmt: skip
+
+    async def _ask(self, engine_id: str, task: Message, deadline: float) -> TaskAck:
+        subject = self.bus.subjects.task(engine_id)
+        return await self.bus.request(subject, task, TaskAck, timeout_s=self.ack_timeout(deadline))
+
+    # ------------------------------------------------------------------------------------ cost model
+
+    def costs(self) -> CostModel:
+        """The profile when one is configured, else a linear model from what the engines and storage
+        services report (prefill rates, storage bandwidth)."""
+        if self.profiled is not None:
+            return self.profiled
+        now = time.monotonic()
+        rates = [
+            st.report.rates.get("prefill_tokens_per_s", 0.0)
+            for st in self.engines.live(now, roles=(ROLE_PREFILL, ROLE_DECODE))
+        ]
+        measured = [r for r in rates if r > 0]
+        reads = [
+            st.report.rates.get("read_bandwidth_bytes_per_s", 0.0)
+            for st in self.engines.live(now, roles=(ROLE_STORAGE,))
+        ]
+        read_bandwidth = max((r for r in reads if r > 0), default=FALLBACK_LINK_BYTES_PER_S)
+        kv_format = self.engines.kv_format
+        return linear_cost_model(
+            prefill_tokens_per_s=statistics.median(measured) if measured else FALLBACK_PREFILL_TOKENS_PER_S,
+            decode_step_s=0.0,
+            kv_bytes_per_token=kv_format.bytes_per_token if kv_format is not None else 1,
+            link_bytes_per_s={self.params.ampd.data_link: FALLBACK_LINK_BYTES_PER_S, STORAGE: read_bandwidth},
+        )
+
+    def _live_ids(self, role: str, now: float) -> list[str]:
+        return [
+            st.report.service_id for st in self.engines.live(now, roles=(role,)) if not st.report.is_draining
+        ]
+
+    def _block_size(self) -> int:
+        return self.engines.kv_format.block_size if self.engines.kv_format is not None else 1
+
+
+def session_params(config: RouterConfig) -> SessionParams:
+    """The session dispatch's parameters from the router's configuration."""
+    return SessionParams(
+        mode=policy_mode(config.policy, config.remote_pick),
+        ampd=AmpdParams(
+            alpha=config.ampd_alpha,
+            beta=config.ampd_beta,
+            route_initial=config.ampd_route_initial,
+            data_link=config.kv_link,
+            slack_order=config.ampd_slack_order,
+        ),
+        window_s=config.ampd_window_s,
+        cost_profile=config.cost_profile,
+    )
+
+
+def load_cost_profile(path: str) -> CostModel:
+    return CostModel.from_dict(json.loads(Path(path).read_text()))
+
+
+def _kv_need(plan: RequestPlan) -> int:
+    return plan.num_prompt_tokens + plan.sampling.max_tokens
+
+
+def _raise_refusal(ack: TaskAck, what: str) -> None:
+    if not ack.accepted:
+        raise error_from_code(ack.code or "overloaded", ack.message or what)

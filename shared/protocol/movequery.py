@@ -1,0 +1,129 @@
+"""Move the query, not the cache: what a requester engine, a holder engine and the router exchange.
+
+A holder engine keeps chunks (a prompt's leading full blocks) pinned in its cache and announces them in the
+index as location `held:<engine>` (one KV event per chunk, under the chunk's block hashes). The router puts a
+`HeldPrefix` into the plan of a request whose prompt starts with such a chunk and that it sends to another
+engine, with the primitive its cost model chose (route, fetch or local) and what to fall back to.
+
+Route, per request (`route.<holder>`, request/reply on NATS, small records only):
+  requester -> holder  `RouteOpen`: serve partial attention over the first `num_blocks` blocks of the chunk
+                       whose block `num_blocks - 1` hashes to `chunk_hash`; replies go into `reply`
+  holder -> requester  `RouteOpened`: write query rows into `queries` (an extent of the holder's region)
+  requester -> holder  `RouteClose` when the request is done (or fell back); the holder frees the session
+Per layer of every forward (the KV data plane, shared/transport: a one-sided write, then a notice):
+  requester -> holder  the layer's query rows, bytes of [T, H, dk] in the cache dtype, at the start of the
+                       `queries` extent; notice tag `queries.slot`, meta `PartialQuery` (step, layer, tokens)
+  holder -> requester  (o, m, l) fp32 [T, H, dv + 2] at the start of the `reply` extent; notice tag
+                       `reply.slot`, meta `PartialReply` (with `error` and no bytes when the query was
+                       refused: wrong size, layer out of order, NaN rows, holder overloaded)
+A requester sends layer l + 1 only after the reply to layer l arrived, so each extent (and each notice tag)
+holds one layer at a time; step and layer travel in the meta and must come in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+from shared.protocol.codec import Message, message
+
+PRIMITIVES = ("route", "fetch", "local")
+HELD_TIER = "held"  # index location `held:<engine id>`
+
+
+def held_location(engine_id: str) -> str:
+    return f"{HELD_TIER}:{engine_id}"
+
+
+@message
+class HeldPrefix(Message):
+    """In a request's `KvPlan`: its first `num_blocks` blocks are a chunk engine `holder_id` holds, and how
+    the router chose to use it. `fallback` is what the requester does when the route fails (fetch: read the
+    chunk from the store, which holds `num_store_blocks` leading blocks; local: recompute it)."""
+
+    KIND = "held_prefix"
+    holder_id: str
+    num_blocks: int
+    primitive: str  # one of PRIMITIVES
+    fallback: str = "local"  # fetch | local
+    num_store_blocks: int = 0
+    take_s: float = 0.0  # the cost model's price of taking the chunk here (min of fetch and local), seconds
+    local_step_s: float = 0.0  # its price of one decode step attending the chunk here, seconds
+
+
+@message
+class RouteBuffer(Message):
+    """An extent of a registered data-plane region and the notice slot that goes with it."""
+
+    KIND = "route_buffer"
+    engine_id: str
+    endpoint: dict[str, Any]  # the receiver's KvEndpoint (shared.transport)
+    region: str
+    offset: int
+    size_bytes: int
+    slot: int
+
+
+@message
+class RouteOpen(Message):
+    KIND = "route_open"
+    request_id: str
+    chunk_hash: int  # hash of the chunk's block num_blocks - 1 (the chain names all blocks before it)
+    num_blocks: int
+    fingerprint: str  # the requester's KV format: the holder refuses another one
+    query_bytes_per_token: int  # H x dk x dtype bytes: what the requester will send per token
+    max_query_tokens: int  # the most tokens of one layer's query (its largest prefill chunk)
+    reply: RouteBuffer
+    sender_id: str  # the requester's data-plane sender (the holder's waits fail when it goes)
+    deadline_unix_s: float
+
+
+@message
+class RouteOpened(Message):
+    KIND = "route_opened"
+    queries: RouteBuffer
+    sender_id: str  # the holder's data-plane sender (the requester's waits fail when it goes)
+    num_layers: int
+    partial_bytes_per_token: int  # H x (dv + 2) x 4
+    queue_s: float = 0.0  # how long the holder's queue holds an exchange now
+
+
+@message
+class RouteClose(Message):
+    KIND = "route_close"
+    request_id: str
+
+
+@message
+class PartialQuery(Message):
+    """Notice meta of a layer's query rows (requester -> holder)."""
+
+    KIND = "partial_query"
+    step: int
+    layer: int
+    num_tokens: int
+
+
+@message
+class PartialReply(Message):
+    """Notice meta of a layer's partial (holder -> requester); `error` set: refused, no bytes written."""
+
+    KIND = "partial_reply"
+    step: int
+    layer: int
+    num_tokens: int
+    error: str = ""
+    queue_s: float = 0.0  # time the query waited for the holder's attention call
+    compute_s: float = 0.0  # the call itself (shared with the requests batched into it)
+
+
+@message
+class HeldChunkInfo(Message):
+    """A held chunk as the holder's registry entry lists it (`ServiceInfo.extra["held_chunks"]`)."""
+
+    KIND = "held_chunk_info"
+    chunk_hash: int
+    num_tokens: int
+    num_sessions: int = 0
+    last_used_unix_s: float = 0.0
+    names: list[str] = field(default_factory=list)

@@ -1,0 +1,156 @@
+"""Move the query, not the cache, through the whole stack: agentic fan-in on real processes (nats-server,
+index, router and three colocated engines on the tiny model, KV data plane over shm or tcp).
+
+A document is prefilled once on engine-0, which pins it as a held chunk (`held:engine-0` in the index).
+Sub-agents (the document + their own suffix) then go to engine-1 and engine-2 (the router's `route` mode
+keeps the holder free), which route every layer's query rows to engine-0 and merge its partials: their
+greedy tokens equal those of the same prompts served with the document in the cache, and their caches never
+hold the document. Killing the holder in the middle of a routed decode makes the requester recompute the
+chunk locally and finish with the same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from shared.bus import Bus
+from shared.errors import InvalidRequestError
+from shared.hashing import block_hashes
+from shared.kvclient import IndexClient
+from shared.protocol.movequery import RouteBuffer, RouteOpen, RouteOpened
+from tests.cluster import Stack, wait_ready
+from tests.integration.test_kv_reuse import complete
+from tests.integration.test_remote_tier import counter, engine_metrics
+
+pytestmark = pytest.mark.slow
+BLOCK, DOC_TOKENS = 64, 256
+
+
+def engine_args(backend: str, *, holds: bool) -> tuple[str, ...]:
+    args = ("--move-query", "--no-persist-kv", "--no-load-kv", "--kv-backends", backend)
+    args += ("--route-timeout-s", "2", "--route-region-bytes", str(8 << 20))
+    if holds:
+        args += ("--hold-bytes", str(32 << 20), "--hold-min-tokens", str(DOC_TOKENS))
+    return args
+
+
+def bad_open(chunk_hash: int, num_blocks: int, fingerprint: str, query_bytes: int) -> RouteOpen:
+    reply = RouteBuffer(engine_id="x", endpoint={}, region="r", offset=0, size_bytes=1 << 20, slot=1)
+    return RouteOpen(
+        request_id="bad",
+        chunk_hash=chunk_hash,
+        num_blocks=num_blocks,
+        fingerprint=fingerprint,
+        query_bytes_per_token=query_bytes,
+        max_query_tokens=8,
+        reply=reply,
+        sender_id="x",
+        deadline_unix_s=time.time() + 5,
+    )
+
+
+def tokens(out: dict[str, Any]) -> list[int]:
+    return list(out["choices"][0]["token_ids"])
+
+
+async def until_held(bus: Bus, doc: list[int], fingerprint: str, timeout_s: float = 30) -> None:
+    """The index knows engine-0 holds the document (its KV events applied)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    hashes = block_hashes(doc, BLOCK, fingerprint)
+    while (await IndexClient(bus).match(hashes)).per_location.get("held:engine-0", 0) < len(hashes):
+        assert asyncio.get_running_loop().time() < deadline, "the held chunk never reached the index"
+        await asyncio.sleep(0.05)
+
+
+def stream_until_first_token(
+    http: aiohttp.ClientSession, url: str, prompt: list[int], n: int
+) -> tuple[asyncio.Task[list[int]], asyncio.Event]:
+    """A streamed completion; the event is set once its first token arrived, the task ends with all ids."""
+    first = asyncio.Event()
+
+    async def run() -> list[int]:
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": n,
+            "ignore_eos": True,
+            "temperature": 0,
+            "return_token_ids": True,
+            "stream": True,
+        }
+        ids: list[int] = []
+        async with http.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for line in resp.content:
+                text = line.decode().strip()
+                if not text.startswith("data: ") or text == "data: [DONE]":
+                    continue
+                chunk = json.loads(text[6:])
+                ids += chunk["choices"][0].get("token_ids") or []
+                if ids:
+                    first.set()
+        return ids
+
+    return asyncio.create_task(run()), first
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+async def test_fan_in_routes_to_the_holder_with_identical_tokens_and_survives_its_death(
+    stack: tuple[Stack, Bus], backend: str
+) -> None:
+    s, bus = stack
+    rng = random.Random(16)
+    doc = [rng.randrange(3, 250) for _ in range(DOC_TOKENS)]
+    agents = [doc + [rng.randrange(3, 250) for _ in range(n)] for n in (40, 75, 90, 120)]
+    s.start("index", "index-0")
+    holder = s.start("engine", "engine-0", *engine_args(backend, holds=True))
+    s.start("router", "router-0", "--http-port", "0", "--move-query", "route")
+    ready = await wait_ready(bus, {"index-0", "engine-0", "router-0"}, s.procs)
+    url = ready["router-0"].http_url
+    fingerprint = ready["engine-0"].kv_format.fingerprint
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        # the document is prefilled once and pinned; the baseline: every agent with the document cached
+        await complete(http, url, doc, 4, "doc")
+        await until_held(bus, doc, fingerprint)
+        want = [tokens(await complete(http, url, p, 24, f"b{i}")) for i, p in enumerate(agents)]
+        long_want = tokens(await complete(http, url, agents[0], 160, "long"))
+
+        others = [s.start("engine", f"engine-{i}", *engine_args(backend, holds=False)) for i in (1, 2)]
+        ids = {"engine-0", "engine-1", "engine-2", "router-0"}
+        ready = await wait_ready(bus, ids, s.procs, num_engines=3)
+        outs = await asyncio.gather(*(complete(http, url, p, 24, f"a{i}") for i, p in enumerate(agents)))
+        assert [tokens(o) for o in outs] == want
+        routed = 0.0
+        for engine_id in ("engine-1", "engine-2"):
+            text = await engine_metrics(http, ready[engine_id].http_url)
+            routed += counter(text, "kvpath_engine_route_requests_total", primitive="route")
+            assert "kvpath_engine_route_fallbacks_total{" not in text  # none fell back, for any reason
+        assert routed == len(agents)  # each agent's document attended on the holder
+        text = await engine_metrics(http, ready["engine-0"].http_url)
+        assert counter(text, "kvpath_engine_holder_query_tokens_total") > 0
+        assert counter(text, "kvpath_engine_holder_sessions_total", outcome="opened") == len(agents)
+
+        # malformed route opens are answered with an error at once (unknown chunk, wrong query shape)
+        hashes = block_hashes(doc, BLOCK, fingerprint)
+        for chunk_hash, query_bytes, error in ((12345, 0, "holds no chunk"), (hashes[-1], 1, "query bytes")):
+            bad = bad_open(chunk_hash, len(hashes), fingerprint, query_bytes)
+            with pytest.raises(InvalidRequestError, match=error):
+                await bus.request(bus.subjects.route("engine-0"), bad, RouteOpened, timeout_s=5)
+
+        # the holder dies while a routed request decodes: it recomputes the document and finishes the same
+        task, first = stream_until_first_token(http, url, agents[0], 160)
+        await asyncio.wait_for(first.wait(), 60)
+        holder.kill()
+        assert await asyncio.wait_for(task, 120) == long_want
+        fallbacks = 0.0
+        for engine_id in ("engine-1", "engine-2"):
+            text = await engine_metrics(http, ready[engine_id].http_url)
+            fallbacks += counter(text, "kvpath_engine_route_requests_total", primitive="fallback_local")
+        assert fallbacks == 1
+        assert all(p.proc.poll() is None for p in others)

@@ -1,0 +1,89 @@
+"""Move the query at the router: a request whose prompt starts with a chunk another live engine holds gets a
+`HeldPrefix` priced by the cost model (auto) or forced (route / fetch / local); nothing held elsewhere, a
+dead or draining holder, or a requester that does not speak the protocol leaves the plan alone."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.router.engines import EngineTable
+from services.router.route_choice import HeldRouting
+from shared.protocol import KvFormat, LoadReport
+from shared.protocol.messages import SamplingParams
+from shared.protocol.tasks import KvPlan, RequestPlan
+
+FMT = KvFormat(fingerprint="tiny;dtype=float32;block_size=64", block_size=64, bytes_per_token=4096)
+SHAPE = {  # the tiny model's load-report rates (services/engine/route_shape.py)
+    "mq_route": 1.0,
+    "mq_layers": 4.0,
+    "mq_rows_per_token": 8.0,
+    "mq_query_bytes_per_row": 128.0,
+    "mq_partial_bytes_per_row": 136.0,
+    "mq_kv_bytes_per_token_layer": 512.0,
+}
+
+
+def table(*, holder_rates: dict[str, float] | None = None, draining: bool = False) -> EngineTable:
+    engines = EngineTable(silence_timeout_s=3.0)
+    now = time.monotonic()
+    for engine_id, rates in (("e0", SHAPE if holder_rates is None else holder_rates), ("e1", SHAPE)):
+        report = LoadReport(
+            service_id=engine_id,
+            role="colocated",
+            node=0,
+            seq=1,
+            sent_at=0.0,
+            free_kv_blocks=1000,
+            kv_format=FMT,
+            rates=dict(rates),
+            is_draining=draining and engine_id == "e0",
+        )
+        engines.update(report, now=now)
+    return engines
+
+
+def plan(prompt_tokens: int, max_tokens: int, hits: int = 0) -> RequestPlan:
+    return RequestPlan(
+        request_id="r",
+        router_id="x",
+        prompt_token_ids=[5] * prompt_tokens,
+        sampling=SamplingParams(max_tokens=max_tokens),
+        deadline_unix_s=5.0,
+        kv=KvPlan(block_hashes=list(range(prompt_tokens // 64)), num_hit_blocks=hits),
+    )
+
+
+@pytest.mark.parametrize("mode", ["route", "fetch", "local"])
+def test_forced_primitives(mode: str) -> None:
+    routing = HeldRouting(table(), mode=mode, profile=None, fabric="shm")
+    p = plan(64 * 8 + 30, 16, hits=8)
+    routing.apply(p, "e1", {"held:e0": 8, "store": 8})
+    held = p.kv.held
+    assert held is not None and (held.holder_id, held.num_blocks, held.primitive) == ("e0", 8, mode)
+    assert held.fallback == "fetch" and held.take_s == 0.0  # forced: never repriced
+    assert p.kv.num_hit_blocks == (0 if mode == "local" else 8)
+    assert routing.avoid({"held:e0": 8}) == {"e0"}
+    assert HeldRouting(table(), mode="auto", profile=None, fabric="shm").avoid({"held:e0": 8}) == set()
+
+
+def test_auto_prices_the_request_and_the_chunk_size_limits_the_blocks() -> None:
+    routing = HeldRouting(table(), mode="auto", profile=None, fabric="shm")
+    p = plan(64 * 4 + 10, 4)
+    routing.apply(p, "e1", {"held:e0": 9})  # the holder's chunk is longer than this prompt's usable blocks
+    held = p.kv.held
+    assert held is not None and held.num_blocks == 4 and held.fallback == "local"  # not in the store
+    assert held.primitive in ("route", "local") and held.take_s > 0 and held.local_step_s > 0
+
+
+def test_nothing_to_route() -> None:
+    routing = HeldRouting(table(), mode="auto", profile=None, fabric="shm")
+    for engine_id, locality in (("e0", {"held:e0": 8}), ("e1", {"store": 8}), ("e1", {"held:gone": 8})):
+        p = plan(64 * 8 + 30, 16)
+        routing.apply(p, engine_id, locality)  # the holder itself, nothing held, a holder that is not live
+        assert p.kv.held is None
+    for engines in (table(holder_rates={}), table(draining=True)):  # speaks no route protocol; draining
+        p = plan(64 * 8 + 30, 16)
+        HeldRouting(engines, mode="route", profile=None, fabric="shm").apply(p, "e1", {"held:e0": 8})
+        assert p.kv.held is None

@@ -1,0 +1,75 @@
+"""The AMPD cluster model: invariants on hand-made sessions (exact times from a linear cost model), the
+policies' local shares, and the paper-scale runner's shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadgen.sim.ampd import VARIANTS, paper_attainment
+from loadgen.sim.ampd.cluster import AmpdCluster, SimSession
+from loadgen.sim.ampd.paper import Deployment
+from loadgen.sim.ampd.planner import Candidate, candidates, plan, solve
+from services.policy.ampd import MODE_AMPD, MODE_LOCAL, MODE_REMOTE_RR
+from services.policy.ampd_costs import linear_cost_model
+
+COSTS = linear_cost_model(
+    prefill_tokens_per_s=1000.0, decode_step_s=0.01, kv_bytes_per_token=1000, link_bytes_per_s={"kv": 1e6}
+)
+
+
+def one(rounds: list[tuple[int, int, float]], ttft: float = 10.0, itl: float = 1.0) -> SimSession:
+    return SimSession("s", rounds, ttft, itl)
+
+
+def test_a_remote_round_reads_the_history_computes_and_sends_the_increment_back() -> None:
+    cluster = AmpdCluster(COSTS, num_prefill=1, num_decode=1, mode=MODE_REMOTE_RR, link="kv", reorder=False)
+    (s,) = cluster.run([(0.0, one([(100, 3, 0.5), (200, 2, 0.0)]))])
+    alpha = 1e-4  # linear_cost_model's link alpha
+    assert s.is_done and s.ttfts[0] == pytest.approx(0.1 + alpha + 0.1)  # compute, then 100 tokens back
+    # round 2: 103 history tokens in (0.103 s), 0.2 s compute, 200 tokens back (0.2 s)
+    assert s.ttfts[1] == pytest.approx(0.103 + 0.2 + 0.2 + 2 * alpha)
+    assert s.itl_tokens == 2 + 1 and s.itl_sum_s == pytest.approx(3 * 0.01)
+    assert (cluster.counts.local, cluster.counts.remote) == (0, 2)
+
+
+def test_a_local_prefill_stalls_the_decode_batch_for_exactly_its_duration() -> None:
+    cluster = AmpdCluster(COSTS, num_prefill=0, num_decode=1, mode=MODE_LOCAL, link="kv", reorder=False)
+    a, b = one([(100, 50, 0.0)]), SimSession("b", [(300, 2, 0.0)], 10.0, 1.0)
+    cluster.run([(0.0, a), (0.105, b)])
+    # a decodes from t=0.1 in 10 ms steps; b's 0.3 s prefill starts after the step ending at 0.11
+    assert a.ttfts == [pytest.approx(0.1)] and b.ttfts == [pytest.approx(0.11 + 0.3 - 0.105)]
+    assert a.itl_sum_s == pytest.approx(49 * 0.01 + 0.3) and cluster.counts.local == 2
+
+
+def test_ampd_routes_remote_with_prefill_slack_and_local_without() -> None:
+    slack = AmpdCluster(COSTS, num_prefill=1, num_decode=1, mode=MODE_AMPD, link="kv")
+    slack.run([(0.0, one([(100, 2, 0.0)], ttft=10.0))])
+    tight = AmpdCluster(COSTS, num_prefill=1, num_decode=1, mode=MODE_AMPD, link="kv")
+    tight.run([(0.0, one([(100, 2, 0.1)] * 3, ttft=0.01))])  # the PE's first TTFT breaks alpha x SLO
+    assert (slack.counts.local, slack.counts.remote) == (0, 1)
+    assert tight.counts.remote == 1 and tight.counts.local == 2
+
+
+def test_paper_attainment_reports_every_trace_and_policy() -> None:
+    out = paper_attainment(["hotpotqa"], n=12, seeds=1)
+    assert set(out) == {"hotpotqa"}
+    assert set(out["hotpotqa"]) == {"ampd", "disagg-remote", "colocated", "ampd-least-queue"}
+    assert all(0.0 <= v <= 1.0 for v in out["hotpotqa"].values())
+    assert {"ampd-no-reorder", "ampd-no-routing"} <= VARIANTS.keys()
+
+
+def test_planner_candidates_fit_the_model_and_use_every_gpu() -> None:
+    deps = candidates(8)
+    assert deps and all(d.gpus == 8 and d.tp_prefill >= 2 and d.tp_decode >= 2 for d in deps)  # 70B: TP >= 2
+    assert Deployment(4, 1, 4, 1) in deps and Deployment(2, 2, 4, 1) in deps
+
+
+def test_the_milp_picks_the_min_max_candidate() -> None:
+    def cand(pre: float, dec: float) -> Candidate:
+        return Candidate(Deployment(4, 1, 4, 1), pre, dec, 0.0)
+
+    cands = [cand(3.0, 0.5), cand(1.2, 1.1), cand(0.9, 1.4), cand(float("inf"), 0.1)]
+    assert solve(cands) == 1
+    out = plan("hotpotqa", 8, n=10, load=0.3, seed=0)
+    z = [max(r["tau_pre"], r["tau_dec"]) for r in (out["chosen"], *out["top"])]
+    assert out["candidates"] == len(candidates(8)) and z[0] == z[1] <= z[2]

@@ -1,0 +1,27 @@
+"""`kvpath loadgen sim --sweep movequery`: the paper's tables regenerated from the cost model."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadgen.sim.movequery import format_movequery, movequery_sweep
+
+
+def test_the_papers_tables() -> None:
+    result = movequery_sweep()
+    decode = [row["256"] for row in result["route_us"].values()]
+    assert 27 < min(decode) and max(decode) < 39 and max(decode) / min(decode) < 1.5  # ~31-48 us, within 1.5x
+    assert result["bytes_saved"]["256"] == pytest.approx(0.763, abs=5e-4)  # ">= 76% at M_q <= 256"
+    assert [round(result["byte_break_even_rows"][c]) for c in ("2048", "512")] == [1080, 270]
+    ratios = result["route_over_splice"]
+    assert ratios["1024"] == pytest.approx(28, abs=1) and 60 < ratios["256"] < 100
+    assert all(3e4 < v < 1.3e5 for v in result["route_fetch_crossover_rows"].values())  # "~1e5"
+    local = result["fetch_local_crossover_tokens"]
+    assert round(local["1.5"]) == 74 and round(local["0.5"]) == 222  # "75-220 tokens"
+    assert 150 < result["host_overhead_crossover_rows"] < 400  # "a few hundred"
+    choices = {(c["fabric"], c["request"]): c["choice"] for c in result["choices"]}
+    for fabric in result["route_us"]:  # route at decode on every fabric; local for a tiny chunk
+        assert choices[(fabric, "decode 1 step, chunk 2048")] == "route"
+        assert choices[(fabric, "decode 1 step, chunk 64, no holder")] == "local"
+        assert choices[(fabric, "decode 64 steps, no room for the chunk")] == "route"
+    assert "byte break-even" in format_movequery(result)
