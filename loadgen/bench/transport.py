@@ -67,8 +67,9 @@ def run_bench(args: argparse.Namespace) -> int:
         child.wait(timeout=30)
     _print_table(results, backends)
     if args.json:
+        fixed = {b: fixed_cost_us(results, b) for b in backends}
         with open(args.json, "w") as f:
-            json.dump({"unit": "GB/s (1e9 bytes/s)", "results": results}, f, indent=2)
+            json.dump({"unit": "GB/s (1e9 bytes/s)", "results": results, "fixed_cost_us": fixed}, f, indent=2)
     return 0
 
 
@@ -131,7 +132,11 @@ async def _stream(
     _line(child)  # the consumer is waiting
     in_flight: set[asyncio.Task[None]] = set()
     start = time.perf_counter()
-    for k in range(writes):
+    if window == 1:  # the latency-bound case: each write awaited in turn, no task per write
+        for k in range(writes):
+            extents = [(((k * blocks + j) % slots) * size, data) for j in range(blocks)]
+            await peer.write_many("buf", extents, tag=k, timeout_s=60)
+    for k in range(writes if window > 1 else 0):
         if len(in_flight) >= window:
             done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -160,6 +165,17 @@ def _socket_baseline(child: subprocess.Popen[str], port: int, size: int, count: 
     return size * count / elapsed / 1e9
 
 
+def fixed_cost_us(results: list[dict[str, Any]], backend: str) -> float | None:
+    """Fixed cost of one write call in microseconds: the intercept of seconds per write against bytes
+    per write (least squares over the measured sizes); None with fewer than two sizes."""
+    if len(results) < 2:
+        return None
+    nbytes = np.array([r["size_bytes"] * r["blocks_per_write"] for r in results], dtype=np.float64)
+    seconds = nbytes / (np.array([r[backend] for r in results]) * 1e9)
+    _slope, intercept = np.polyfit(nbytes, seconds, 1)
+    return float(intercept * 1e6)
+
+
 def _print_table(results: list[dict[str, Any]], backends: list[str]) -> None:
     columns = [*backends, "socket"]
     blocks = results[0]["blocks_per_write"] if results else 1
@@ -171,6 +187,12 @@ def _print_table(results: list[dict[str, Any]], backends: list[str]) -> None:
         cells = " ".join(f"{row[c]:>12.2f}" for c in columns)
         ratio = f"{row['tcp'] / row['socket']:>10.2f}" if "tcp" in row else ""
         print(f"{label:>9} {row['messages']:>6} {cells}   {ratio}")
+    for backend in backends:
+        fixed = fixed_cost_us(results, backend)
+        if fixed is not None:
+            print(
+                f"fixed cost per write call, {backend}: {fixed:.1f} us (intercept of time per write vs bytes)"
+            )
 
 
 # ---------------------------------------------------------------------------------- receiver process

@@ -14,6 +14,8 @@ _EMPTY, _FULL, _TOMB = np.uint8(0), np.uint8(1), np.uint8(2)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MAX_LOAD = 0.5
 _MIN_CAPACITY = 1024
+_BUCKET_BITS = 3
+_BUCKET = 1 << _BUCKET_BITS  # slots per home bucket: one 64-byte line of keys
 
 
 def _pow2_at_least(n: int) -> int:
@@ -23,7 +25,17 @@ def _pow2_at_least(n: int) -> int:
 class U64Table:
     """Map uint64 keys to non-zero uint64 values; a value that becomes 0 deletes its key."""
 
-    __slots__ = ("_bits", "keys", "num_live", "num_tombstones", "states", "values")
+    __slots__ = (
+        "_bits",
+        "_bucket_shift",
+        "_key_rows",
+        "_state_rows",
+        "keys",
+        "num_live",
+        "num_tombstones",
+        "states",
+        "values",
+    )
 
     def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
         self._allocate(_pow2_at_least(capacity))
@@ -32,7 +44,10 @@ class U64Table:
         self._bits = capacity.bit_length() - 1
         self.keys = np.zeros(capacity, dtype=np.uint64)
         self.values = np.zeros(capacity, dtype=np.uint64)
+        self._key_rows = self.keys.reshape(-1, _BUCKET)  # a view: bucket b is row b
+        self._bucket_shift = np.uint64(64 - self._bits + _BUCKET_BITS)
         self.states = np.zeros(capacity, dtype=np.uint8)
+        self._state_rows = self.states.reshape(-1, _BUCKET)
         self.num_live = 0
         self.num_tombstones = 0
 
@@ -48,7 +63,12 @@ class U64Table:
         return self.num_live
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
-        return ((keys * _GOLDEN) >> np.uint64(64 - self._bits)).astype(np.int64)
+        """First slot of each key's probe: the start of its bucket of `_BUCKET` slots (a 64-byte line of
+        keys), so `prefix_values` reads a key's likeliest slots as one row of `_key_rows`."""
+        return self._home_bucket(keys).astype(np.int64) << _BUCKET_BITS
+
+    def _home_bucket(self, keys: np.ndarray) -> np.ndarray:
+        return (keys * _GOLDEN) >> self._bucket_shift
 
     # -------------------------------------------------------------------------------------- queries
 
@@ -74,6 +94,34 @@ class U64Table:
                 go_on &= idx < idx[absent].min()
             idx, pos = idx[go_on], (pos[go_on] + 1) & mask
         return result
+
+    def prefix_values(self, keys: np.ndarray) -> np.ndarray:
+        """Values of the leading present keys of a chain (stops at the first absent one).
+
+        The hot path of a prefix match, about ten numpy calls for the whole chain and no Python per key:
+        each key's home bucket is read as one row (`take` of a contiguous 2D view); a full slot always
+        holds a non-zero value, so key and value alone say "present". Keys that overflowed their bucket
+        (rare at load <= 1/2) fall back to `find`.
+        """
+        if keys.size == 0 or self.num_live == 0:
+            return np.zeros(0, dtype=np.uint64)
+        buckets = self._home_bucket(keys)
+        match = self._key_rows.take(buckets, axis=0) == keys[:, None]
+        in_bucket = match.view(np.uint64).ravel() != 0  # any of the row's 8 bools
+        slots = (buckets.astype(np.int64) << _BUCKET_BITS) + match.argmax(axis=1)
+        values = self.values.take(slots)
+        if in_bucket.all() and values.all():
+            return values
+        values[~in_bucket] = 0  # elsewhere, absent, or only a tombstone of it here: resolve below
+        first = int(np.argmin(values != 0))
+        if not in_bucket[first] and (self._state_rows[buckets[first]] == _EMPTY).any():
+            return values[:first]  # probing stops at an empty slot: this key is absent
+        rest = self.find(keys[first:], prefix_only=True)
+        absent = rest < 0
+        end = first + (int(np.argmax(absent)) if absent.any() else rest.size)
+        values = values[:end]
+        values[first:] = self.values[rest[: end - first]]
+        return values
 
     def get(self, keys: np.ndarray, *, prefix_only: bool = False) -> np.ndarray:
         """Value of each key, 0 where absent (see `find` for `prefix_only`)."""

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import socket
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,8 +20,8 @@ import numpy as np
 from shared.errors import KvpathError, TransportError, error_from_code
 from shared.protocol.codec import decode
 from shared.protocol.messages import ErrorReply
-from shared.transport.reader import FrameReader
-from shared.transport.sockio import send_buffers, tune_socket
+from shared.transport.reader import MAX_IOV, FrameReader
+from shared.transport.sockio import send_buffers, skip_bytes, tune_socket
 from shared.transport.wire import RECEIVER_TYPES, U32_MAX, FrameType, Header, Limits, pack
 
 log = logging.getLogger(__name__)
@@ -29,11 +30,13 @@ Reply = tuple[Header, bytes]
 
 
 class ControlChannel:
-    def __init__(self, sock: socket.socket, *, name: str, limits: Limits) -> None:
+    def __init__(self, sock: socket.socket, *, name: str, limits: Limits, spin_s: float = 0.0) -> None:
         self.name = name
+        self._spin_s = spin_s
         self._sock = sock
         self._loop = asyncio.get_running_loop()
         self._send_lock = asyncio.Lock()
+        self._num_senders = 0  # ops holding or waiting for the send lock
         self._pending: dict[int, asyncio.Future[Reply]] = {}
         self._seq = 0
         self._reader = FrameReader(self, limits, RECEIVER_TYPES)
@@ -42,7 +45,7 @@ class ControlChannel:
 
     @classmethod
     async def open(
-        cls, host: str, port: int, *, name: str, limits: Limits, buffer_bytes: int
+        cls, host: str, port: int, *, name: str, limits: Limits, buffer_bytes: int, spin_s: float = 0.0
     ) -> ControlChannel:
         """Connect (the caller bounds this with its deadline)."""
         loop = asyncio.get_running_loop()
@@ -60,7 +63,7 @@ class ControlChannel:
             except BaseException:
                 sock.close()
                 raise
-            return cls(sock, name=name, limits=limits)
+            return cls(sock, name=name, limits=limits, spin_s=spin_s)
         raise TransportError(f"cannot connect to KV receiver {name} at {host}:{port}: {last}")
 
     @property
@@ -86,29 +89,66 @@ class ControlChannel:
             raise self._broken
 
     async def send(self, buffers: Sequence[memoryview | bytes]) -> None:
-        """Send one op's frames; a failure or cancellation midway breaks the channel (partial frame)."""
+        """Send one op's frames; a failure or cancellation midway breaks the channel (partial frame).
+
+        Fast path: nobody else sending, one `sendmsg` of every buffer, no lock and no suspension. What
+        the kernel did not take goes out under the send lock, which is then free (no yield before it).
+        """
         self.check()
-        async with self._send_lock:
-            self.check()
+        views = [memoryview(b) for b in buffers if len(b)]
+        if not self._num_senders and len(views) <= MAX_IOV:
             try:
-                await send_buffers(self._sock, [memoryview(b) for b in buffers])
+                sent = self._sock.sendmsg(views)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
             except OSError as exc:
                 self.break_(f"send failed: {exc}")
+                raise self._broken or TransportError(str(exc)) from None
+            if sent == sum(len(v) for v in views):
+                return
+            views = skip_bytes(views, sent)
+        self._num_senders += 1
+        try:
+            async with self._send_lock:
                 self.check()
-            except BaseException:
-                self.break_("send interrupted midway (deadline or cancellation)")
-                raise
+                try:
+                    await send_buffers(self._sock, views)
+                except OSError as exc:
+                    self.break_(f"send failed: {exc}")
+                    self.check()
+                except BaseException:
+                    self.break_("send interrupted midway (deadline or cancellation)")
+                    raise
+        finally:
+            self._num_senders -= 1
 
     async def request(self, header: Header, meta: bytes = b"") -> Reply:
         """Send a single frame with meta and wait for its reply (the caller bounds this)."""
         if header.meta_len != len(meta):
             header = dataclasses.replace(header, meta_len=len(meta))
-        future = self.expect(header.seq)
+        return await self.call(header.seq, [pack(header), meta])
+
+    async def call(self, seq: int, buffers: Sequence[memoryview | bytes]) -> Reply:
+        """Send one op's frames (numbered `seq`) and wait for the reply (the caller bounds this).
+
+        The reply to a small op comes back within tens of microseconds, well before the event loop would
+        wake this task for it, so the socket is polled for it first, for at most `spin_s` (bounded: the
+        loop is blocked that long at most, once per op); then the task sleeps as usual. Only with
+        one op in flight: with more, the others' replies keep the loop busy and spinning would stall them.
+        """
+        future = self.expect(seq)
         try:
-            await self.send([pack(header), meta])
-            return await future
+            await self.send(buffers)
+            if self._spin_s and len(self._pending) == 1 and not future.done():  # only the latency-bound case
+                self._spin_for(future)
+            return await future  # a done future returns at once, without a trip through the loop
         finally:
-            self.forget(header.seq)
+            self.forget(seq)
+
+    def _spin_for(self, future: asyncio.Future[Reply]) -> None:
+        end = time.perf_counter() + self._spin_s
+        while not future.done() and self._broken is None and time.perf_counter() < end:
+            self._on_readable()
 
     # ------------------------------------------------------------------ replies
     def _on_readable(self) -> None:

@@ -31,6 +31,9 @@ class TransportConfig:
     max_pending_notices: int = doc(1 << 16, "notices held for nobody-waiting-yet before senders get errors")
     max_reply_backlog_bytes: int = doc(1 << 20, "unsent replies to a sender that stopped reading: then close")
     notice_join_timeout_s: float = doc(5.0, "RDMA: how long a notice waits for its write-with-immediate")
+    spin_us: float = doc(
+        60.0, "busy-poll a control socket this long for an op's reply (sender) or the next frame (receiver)"
+    )
 
     def validate(self) -> None:
         unknown = sorted(set(self.backends) - set(BACKENDS))
@@ -51,3 +54,4 @@ class TransportConfig:
         check(
             self.notice_join_timeout_s > 0, "notice_join_timeout_s", self.notice_join_timeout_s, "must be > 0"
         )
+        check(0 <= self.spin_us <= 10_000, "spin_us", self.spin_us, "must be in [0, 10000]")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from typing import Any, Protocol
 
 import numpy as np
@@ -42,6 +43,7 @@ class ReceiverCore(Protocol):
     receiver_id: str
     limits: Limits
     max_reply_backlog_bytes: int
+    spin_s: float  # after a frame, poll the socket this long for the next one (once per readable callback)
 
     def region_by_id(self, region_id: int) -> Region | None: ...
     def region_by_name(self, name: str) -> Region | None: ...
@@ -77,12 +79,22 @@ class ReceiverConnection:
 
     # ------------------------------------------------------------------ socket callbacks
     def _on_readable(self) -> None:
+        """Read and handle frames until the socket is dry. Then poll it for up to `spin_s` more: a sender
+        with one op in flight sends the next within microseconds of our reply, and catching it here skips
+        two wakeups through the event loop. One spin per callback, so other callbacks and tasks still run
+        (a notice's waiter among them)."""
         budget = _READ_BUDGET_BYTES
+        spin_until = 0.0
         while budget > 0 and not self.is_closed:
             try:
                 nbytes = self._sock.recvmsg_into(self._reader.buffers())[0]
             except (BlockingIOError, InterruptedError):
-                return
+                now = time.perf_counter()
+                if not spin_until:
+                    spin_until = now + self.core.spin_s
+                if now >= spin_until:
+                    return
+                continue
             except OSError as exc:
                 self.close(f"receive failed: {exc}")
                 return

@@ -17,13 +17,13 @@ import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
-
 from shared.errors import TransportError
 from shared.protocol.transfer import RegionInfo
 from shared.shm import ShmSegment
 from shared.transport.channel import ControlChannel
-from shared.transport.wire import Flag, FrameType, Header, pack, pack_extents
+from shared.transport.wire import Flag, FrameType, pack_extents, pack_fields
+
+_NOTICE, _NOTICE_IMM = int(Flag.NOTICE), int(Flag.NOTICE | Flag.IMM)  # enum arithmetic is slow per op
 
 
 @dataclass(slots=True)
@@ -60,18 +60,12 @@ class Mover(abc.ABC):
     async def send_notice(self, op: WriteOp, *, imm: int | None = None) -> None:
         """The shared NOTICE frame (after the bytes were placed by other means); waits for its ack."""
         assert op.tag is not None
-        flags = Flag.NOTICE | (Flag.IMM if imm is not None else Flag.NONE)
-        header = Header(
-            FrameType.NOTICE,
-            flags,
-            seq=self.channel.next_seq(),
-            region_id=op.region.region_id,
-            tag=op.tag,
-            aux=imm or 0,
-            meta_len=len(op.meta),
-            value=op.nbytes,
+        flags = _NOTICE_IMM if imm is not None else _NOTICE
+        seq = self.channel.next_seq()
+        frame = pack_fields(
+            FrameType.NOTICE, flags, seq, op.region.region_id, op.tag, imm or 0, len(op.meta), 0, op.nbytes
         )
-        await self.channel.request(header, op.meta)
+        await self.channel.call(seq, [frame, op.meta])
 
 
 class TcpMover(Mover):
@@ -83,23 +77,20 @@ class TcpMover(Mover):
             return
         channel = self.channel
         seq = channel.next_seq()
-        header = Header(
+        flags = _NOTICE if op.tag is not None else 0
+        header = pack_fields(
             FrameType.WRITE,
-            Flag.NOTICE if op.tag is not None else Flag.NONE,
-            seq=seq,
-            region_id=op.region.region_id,
-            tag=op.tag or 0,
-            aux=len(op.views),
-            meta_len=len(op.meta),
-            payload_len=op.nbytes,
+            flags,
+            seq,
+            op.region.region_id,
+            op.tag or 0,
+            len(op.views),
+            len(op.meta),
+            op.nbytes,
+            0,
         )
         table = pack_extents(op.offsets, [len(v) for v in op.views])
-        future = channel.expect(seq)
-        try:
-            await channel.send([memoryview(pack(header)), memoryview(table), memoryview(op.meta), *op.views])
-            await future
-        finally:
-            channel.forget(seq)
+        await channel.call(seq, [header, table, op.meta, *op.views])
 
 
 class ShmMover(Mover):
@@ -133,10 +124,9 @@ class ShmMover(Mover):
         segment = self._segments.get(op.region.region_id)
         if segment is None:
             raise TransportError(f"region {op.region.name!r} is not mapped", param="region")
-        target = segment.array(np.uint8, 0, op.region.size_bytes)
+        target = segment.buf  # the mapping as bytes: slice assignment is one memcpy, no array objects
         for offset, view in zip(op.offsets, op.views, strict=True):
-            np.copyto(target[offset : offset + len(view)], np.frombuffer(view, dtype=np.uint8))
-        del target
+            target[offset : offset + len(view)] = view
         if op.tag is not None:
             await self.send_notice(op)
 

@@ -46,6 +46,7 @@ class KvReceiver:
             self.config.max_meta_bytes, self.config.max_extents_per_write, self.config.max_write_bytes
         )
         self.max_reply_backlog_bytes = self.config.max_reply_backlog_bytes
+        self.spin_s = self.config.spin_us * 1e-6
         self._uid = uuid.uuid4().hex[:12]
         self._regions: dict[str, Region] = {}
         self._regions_by_id: dict[int, Region] = {}

@@ -212,6 +212,7 @@ class KvSender:
                 name=remote.receiver_id,
                 limits=self.limits,
                 buffer_bytes=self.config.socket_buffer_bytes,
+                spin_s=self.config.spin_us * 1e-6,
             )
             try:
                 mover = await self._handshake(channel, remote, choice)

@@ -66,6 +66,18 @@ async def send_buffers(sock: socket.socket, buffers: Sequence[memoryview]) -> in
     return total
 
 
+def skip_bytes(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """`views` without their first `nbytes` bytes (what a short `sendmsg` already sent)."""
+    i = 0
+    while nbytes and i < len(views) and nbytes >= len(views[i]):
+        nbytes -= len(views[i])
+        i += 1
+    rest = views[i:]
+    if nbytes:
+        rest[0] = rest[0][nbytes:]
+    return rest
+
+
 def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
     """Non-blocking, no Nagle delay (notices are small), large kernel buffers for bulk payloads."""
     sock.setblocking(False)

@@ -122,6 +122,21 @@ def pack(header: Header) -> bytes:
     )
 
 
+def pack_fields(
+    frame_type: int,
+    flags: int,
+    seq: int,
+    region_id: int,
+    tag: int,
+    aux: int,
+    meta_len: int,
+    payload_len: int,
+    value: int,
+) -> bytes:
+    """`pack` without building a Header first (the per-op frames of the data plane)."""
+    return HEADER.pack(MAGIC, frame_type, flags, seq, region_id, tag, aux, meta_len, payload_len, value)
+
+
 def unpack(data: bytes | bytearray | memoryview, limits: Limits, allowed: frozenset[FrameType]) -> Header:
     """Parse and check one header; raise FrameError naming what is wrong."""
     magic, ftype, flags, seq, region_id, tag, aux, meta_len, payload_len, value = HEADER.unpack(data)

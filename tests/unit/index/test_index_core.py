@@ -156,3 +156,20 @@ def test_prefix_only_lookups_stop_after_the_first_absent_key() -> None:
     index = BlockIndex()
     index.apply(stored([1, 2, 4, 5]))
     assert index.match([1, 2, 3, 4, 5]).num_hit_blocks == 2
+
+
+def test_prefix_values_agree_with_find_over_full_buckets_tombstones_and_wraparound() -> None:
+    rng = np.random.default_rng(11)
+    table = U64Table(capacity=1024)
+    keys = rng.integers(0, 2**64 - 1, size=500, dtype=np.uint64, endpoint=True)
+    table.or_values(keys, 1)  # ~1/2 load: some buckets overflow into the next (and the last wraps)
+    table.clear_bits(keys[::7], 1)  # tombstones inside buckets
+    table.or_values(keys[::14], 2)  # some of them back, possibly in a later slot
+    for start in range(0, 500, 50):
+        chain = keys[start : start + 120]
+        expected = table.get(chain)
+        present = expected != 0
+        end = int(present.size if present.all() else np.argmin(present))
+        assert table.prefix_values(chain).tolist() == expected[:end].tolist()
+    assert table.prefix_values(np.zeros(0, dtype=np.uint64)).size == 0
+    assert table.prefix_values(np.array([0], dtype=np.uint64)).size == 0  # key 0 is an ordinary key
