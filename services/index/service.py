@@ -3,8 +3,10 @@
 Start: load the snapshot (if `data_dir` has one), create the KV-events stream if missing, replay the
 stream from the snapshot's sequence + 1 until caught up with where the stream stood at start, and only
 then subscribe to `index.match`, so a restarted index answers exactly as before. Then it tails the
-stream. Every `snapshot_every_events` messages it writes a snapshot and purges the messages the snapshot
-covers, keeping the stream short; restart = snapshot + replay of the rest.
+stream. Every `snapshot_every_events` messages, or `snapshot_every_s` after the last snapshot when messages
+came, it writes a snapshot and purges the messages the snapshot covers, keeping the stream short (nats-server
+holds some KB of memory per stored message, so an unpurged stream grows its RSS without bound); restart =
+snapshot + replay of the rest.
 
 Snapshots live in a local file, so with several index replicas only one should purge (or they share
 `data_dir`); a replica started without the snapshot after a purge starts from what is left in the stream.
@@ -47,6 +49,7 @@ class IndexService(Service):
         self.snapshot_stream_seq = 0
         self.num_malformed_events = 0
         self._since_snapshot = 0
+        self._snapshot_at = time.monotonic()
         self._stream = ""
         self._feed: EventFeed | None = None
         metrics.bind_index(self)
@@ -129,8 +132,15 @@ class IndexService(Service):
                 continue
             backoff_s = 0.1
             self._apply(msgs)
-            if self.snapshot_path is not None and self._since_snapshot >= self.config.snapshot_every_events:
+            if self._is_snapshot_due():
                 await self.take_snapshot(purge=self.config.purge_after_snapshot)
+
+    def _is_snapshot_due(self) -> bool:
+        if self.snapshot_path is None or self._since_snapshot == 0:
+            return False
+        every_s = self.config.snapshot_every_s
+        is_old = every_s > 0 and time.monotonic() - self._snapshot_at >= every_s
+        return is_old or self._since_snapshot >= self.config.snapshot_every_events
 
     def _apply(self, msgs: list[Msg]) -> None:
         applied, ignored = self.index.num_events_applied, self.index.num_events_ignored
@@ -159,6 +169,7 @@ class IndexService(Service):
         size = await loop.run_in_executor(None, snapshot.save, self.snapshot_path, arrays, meta)
         self.snapshot_stream_seq = seq
         self._since_snapshot = 0
+        self._snapshot_at = time.monotonic()
         log.info("index snapshot written blocks=%d stream_seq=%d bytes=%d", len(self.index), seq, size)
         if purge and seq > 0:
             try:

@@ -51,7 +51,10 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
     procs: list[ProcessSpec] = []
     common = ["--block-size", str(spec.block_size)]
     if spec.with_kv_store:
-        procs.append(ProcessSpec("index-0", "index", [], kind="index"))
+        # snapshots beside the block store: restarts replay less, and purging keeps the stream (and
+        # nats-server's memory) short
+        index_args = ["--data-dir", f"{spec.kv_root.rstrip('/')}.index"] if spec.kv_root else []
+        procs.append(ProcessSpec("index-0", "index", index_args, kind="index"))
     tier_args = _tier_processes(spec, procs, common)
     nodes = _nodes(spec)
     if spec.with_kv_store:

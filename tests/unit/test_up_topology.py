@@ -45,3 +45,10 @@ def test_tiers_need_colocated_engines_and_a_store() -> None:
         _spec("--kv-tier", "pool", "--no-kv-store")
     with pytest.raises(SystemExit, match="colocated engines with a KV store"):
         _spec("--kv-tier", "remote", "--prefill-nodes", "1", "--decode-nodes", "1", "--policy", "dualpath")
+
+
+def test_the_index_snapshots_beside_the_block_store() -> None:
+    """Snapshots let the index purge the KV-events stream (nats-server's memory grows with it)."""
+    procs, _ = _spec()
+    index = next(p for p in procs if p.service == "index")
+    assert index.args[index.args.index("--data-dir") + 1] == "/tmp/kv.index"

@@ -163,6 +163,35 @@ async def test_snapshot_and_purge_then_restart(
         await index.terminate()
 
 
+async def test_a_quiet_stream_is_snapshotted_and_purged_on_time(
+    nats_server: NatsServer, namespace: str, bus: Bus, tmp_path: Path
+) -> None:
+    """Few events never reach snapshot_every_events; the time trigger still keeps the stream short (an
+    unpurged stream grows nats-server's memory without bound)."""
+    config = IndexConfig(
+        nats_url=nats_server.url,
+        namespace=namespace,
+        fetch_wait_s=0.1,
+        data_dir=str(tmp_path / "index-data"),
+        snapshot_every_events=1_000_000,
+        snapshot_every_s=0.5,
+    )
+    service = IndexService(config)
+    await service.start()
+    try:
+        client = IndexClient(bus)
+        seq = await _feed_events(bus, _chains(5, 3, 8))
+        await client.wait_applied(seq, timeout_s=10.0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while int((await bus.js.stream_info(bus.subjects.kv_events_stream)).state.first_seq) <= seq:
+            assert loop.time() < deadline, "the stream was not purged by the time trigger"
+            await asyncio.sleep(0.05)
+        assert (await client.stats()).snapshot_stream_seq == seq
+    finally:
+        await service.stop()
+
+
 @pytest.fixture
 async def index_service(nats_server: NatsServer, namespace: str) -> AsyncIterator[IndexService]:
     service = IndexService(IndexConfig(nats_url=nats_server.url, namespace=namespace, fetch_wait_s=0.1))
