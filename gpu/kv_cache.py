@@ -6,7 +6,10 @@ block b is exactly `tensor[b]`. Copies go device <-> host in one call per run of
 call in all for the CPU's index kernels), never per element.
 
 Ownership: the engine allocates a sequence's blocks, passes their ids in `PrefillSeq`/`DecodeSeq`, and frees
-them; the runner only reads and writes the blocks it is handed.
+them; the runner only reads and writes the blocks it is handed. Blocks are reference-counted: `share` gives
+one more owner (the n choices of a request share their prompt's blocks, nano-vllm's and vLLM's fork), `free`
+drops one, and a block returns to the free list when its last owner frees it. A block with several owners is
+read-only: an owner about to write into it copies it first (`copy_blocks`; the engine's scheduler decides).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class PagedKVCache:
             (num_blocks, num_layers, block_size, kv_dim), dtype=TORCH_DTYPES[dtype], device=device
         )
         self._free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self._is_free = np.ones(num_blocks, dtype=bool)
+        self._refs = np.zeros(num_blocks, dtype=np.int32)  # owners per block; 0: free
         self._null_block = -1  # see null_block
 
     @property
@@ -68,22 +71,39 @@ class PagedKVCache:
         if n > len(self._free_ids):
             raise OverloadedError(f"KV cache full: {n} blocks wanted, {len(self._free_ids)} free")
         block_ids = [self._free_ids.pop() for _ in range(n)]
-        self._is_free[block_ids] = False
+        self._refs[block_ids] = 1
         return block_ids
 
+    def share(self, block_ids: Sequence[int]) -> None:
+        """One more owner of each (allocated) block; each owner frees it once."""
+        ids = self._owned(block_ids)
+        self._refs[ids] += 1
+
+    def ref_count(self, block_id: int) -> int:
+        """Owners of the block (0: free): more than one, and it must be copied before it is written."""
+        return int(self._refs[block_id])
+
     def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one owner of each block; blocks left without one return to the free list."""
+        ids = self._owned(block_ids)
+        if ids.size == 0:
+            return
+        self._refs[ids] -= 1
+        released = ids[self._refs[ids] == 0]
+        self._free_ids.extend(sorted(released.tolist(), reverse=True))
+
+    def _owned(self, block_ids: Sequence[int]) -> np.ndarray:
+        """The ids as an array, without the null block; raise for ids out of range, free or repeated."""
         ids = np.asarray(block_ids, dtype=np.int64)
         if self._null_block >= 0 and (ids == self._null_block).any():
             ids = ids[ids != self._null_block]
-            block_ids = ids.tolist()
         if ids.size == 0:
-            return
+            return ids
         if ids.min() < 0 or ids.max() >= self.num_blocks:
             raise ValueError(f"block id out of range 0..{self.num_blocks - 1}: {list(block_ids)}")
-        if self._is_free[ids].any() or np.unique(ids).size != ids.size:
-            raise ValueError(f"double free of KV blocks {[b for b in block_ids if self._is_free[b]]}")
-        self._is_free[ids] = True
-        self._free_ids.extend(sorted(block_ids, reverse=True))
+        if (self._refs[ids] == 0).any() or np.unique(ids).size != ids.size:
+            raise ValueError(f"double free of KV blocks {[int(b) for b in ids if self._refs[b] == 0]}")
+        return ids
 
     def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
         """Copy Full Blocks `src_ids` onto `dst_ids` in the cache (every layer; one gather, one scatter)."""

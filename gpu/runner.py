@@ -65,6 +65,10 @@ class PrefillSeq:
     # leading context held by another engine (a routed chunk): attention over it comes from here, and the
     # first prefix.num_tokens // block_size entries of block_ids are placeholders (kv.null_block)
     prefix: PrefixAttention | ChunkExchange | None = None
+    # more samples from the last token's logits (the other choices of a request with n > 1: their own
+    # generators, grammars and sinks; the bans above apply to them too); the runner fills `fork_token_ids`
+    forks: list[SamplingOptions] = field(default_factory=list)
+    fork_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -157,18 +161,21 @@ class ModelRunner:
 
     async def prefill(self, seqs: Sequence[PrefillSeq], hook: LayerHook | None = None) -> list[int | None]:
         """Compute the new tokens' KV (written into the cache) and sample where `sample` is set."""
-        requests = [_request(s) if s.sample else None for s in seqs]
+        # one sampled row per request: a sequence's own, then its forks' (the same logits row repeated)
+        rows = [i for i, s in enumerate(seqs) if s.sample for _ in range(1 + len(s.forks))]
+        requests = [r for s in seqs if s.sample for r in _requests_with_forks(s)]
         for request in requests:
-            if request is not None:
-                request.options.check()
+            request.options.check()
 
         def sample(logits: torch.Tensor) -> list[int | None]:
-            wanted = [i for i, r in enumerate(requests) if r is not None]
             out: list[int | None] = [None] * len(seqs)
-            if wanted:
-                tokens = self._sampler.sample(logits[wanted], [r for r in requests if r is not None])
-                for i, token in zip(wanted, tokens, strict=True):
-                    out[i] = token
+            if not rows:
+                return out
+            tokens = iter(self._sampler.sample(logits[rows], requests))
+            for i, s in enumerate(seqs):
+                if s.sample:
+                    out[i] = next(tokens)
+                    s.fork_token_ids = [next(tokens) for _ in s.forks]
             return out
 
         return await self._prefill(seqs, hook, all_tokens=False, finish=sample)
@@ -217,6 +224,11 @@ class ModelRunner:
         if self.model.device.type == "cuda":  # after_layer may hand the layer's KV to another stream/process
             torch.cuda.synchronize(self.model.device)
         return hidden
+
+    async def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks (source, destination) in the cache, in the worker thread (copy-on-write of a
+        shared block before a step writes into the copy)."""
+        await self._call(self.kv.copy_blocks, [s for s, _ in copies], [d for _, d in copies])
 
     # ------------------------------------------------------------------------------------------- decode
 
@@ -289,6 +301,11 @@ def _in_inference_mode(fn: Callable[..., T], *args: Any) -> T:
 
 def _request(seq: PrefillSeq | DecodeSeq) -> SampleRequest:
     return SampleRequest(seq.seq_id, seq.sampling, seq.banned_token_ids)
+
+
+def _requests_with_forks(seq: PrefillSeq) -> list[SampleRequest]:
+    forks = [SampleRequest(f"{seq.seq_id}#{i}", o, seq.banned_token_ids) for i, o in enumerate(seq.forks, 1)]
+    return [_request(seq), *forks]
 
 
 def _default_num_blocks(device: str, kv_cache_bytes: int | None, full_block_bytes: int) -> int:

@@ -14,6 +14,7 @@
                                                                                    beluga_serve.py)
   movequery  route vs fetch vs local for a held chunk, measured vs the cost model   movequery.py
   ampd       AMPD vs always-remote vs colocated: SLO attainment per trace           ampd.py
+  agent      issue 12's done-when: tools, json_schema, logprobs (openai client)     agent.py
 
 `register` is the `bench` entry of the `kvpath.commands` entry-point group (pyproject.toml). It imports the
 bench modules only when called, so the processes some benches start with `python -m loadgen.bench.<module>`
@@ -28,6 +29,7 @@ from typing import Any
 def register(subparsers: Any) -> None:
     """Add `kvpath bench` and one subcommand per bench module (each module's `register(subparsers)`)."""
     from loadgen.bench import (
+        agent,
         ampd,
         beluga,
         dualpath,
@@ -47,3 +49,4 @@ def register(subparsers: Any) -> None:
     for module in (model, transport, storage, index, serve, router, dualpath, beluga, tracing, ampd, faults):
         module.register(bench_sub)
     movequery.register(bench_sub)
+    agent.register(bench_sub)

@@ -9,12 +9,33 @@ this prompt's tokens). A plan that fails is refused as invalid: it was hashed fo
 from __future__ import annotations
 
 import time
+from collections.abc import Container
 
+from services.engine.connector import KvConnector
 from shared.blocks import blocks_for, max_hit_blocks
-from shared.errors import ContextLengthExceededError, DeadlineExceededError, InvalidRequestError
+from shared.errors import (
+    ContextLengthExceededError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    OverloadedError,
+)
 from shared.hashing import chain_root, next_block_hash
 from shared.protocol import RequestPlan
 from shared.protocol.tasks import READ_SIDES
+
+
+def check_room(plan: RequestPlan, known_ids: Container[str], *, room: int, connector: KvConnector) -> int:
+    """How many sequences the request is here (its `sampling.n` choices where the engine forks them, else
+    1), once the engine can take them: its role takes n > 1 at all, none of their ids is taken, and `room`
+    more sequences may queue."""
+    num_choices = plan.sampling.n if connector.forks_choices else 1
+    if plan.sampling.n > 1 and not connector.supports_choices:
+        raise InvalidRequestError(f"n={num_choices}: this engine's role samples one choice", param="n")
+    if any(plan.choice(i).request_id in known_ids for i in range(num_choices)):
+        raise InvalidRequestError(f"duplicate request id {plan.request_id}", param="request_id")
+    if num_choices > room:
+        raise OverloadedError(f"engine queue full ({room} places left, {num_choices} asked)")
+    return num_choices
 
 
 def check_prompt(

@@ -134,8 +134,18 @@ class ColocatedConnector(KvConnector):
             await self.pool.close()
         await self.storage.close()
 
+    supports_choices = True
+
     def accept(self, seq: Sequence, task: Task) -> None:
         seq.kv_state = _Record()
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The choice's blocks so far are its prompt's, persisted (or on their way) by choice 0."""
+        record: _Record = parent.kv_state
+        child.block_hashes = list(parent.block_hashes)
+        child.kv_state = _Record(
+            num_pool_blocks=record.num_pool_blocks, chain=PersistChain(record.chain.num_persisted_blocks)
+        )
 
     # ------------------------------------------------------------------------------------------- load
 

@@ -14,6 +14,7 @@ DE over the KV data plane). The engine core calls the hooks at fixed points of a
   failure     after a step: the request's external KV failed (it ends with that error)
   finish      the request is done: what its last token delta must wait for (blocks durable, DONE notice)
   release     the request left (finished, failed, preempted): drop what is held for it
+  fork        a choice of a request with n > 1 took over the cache blocks of its prompt (choices.py)
   serve_pull  another engine asks for a stored prefix this one read (a DE on the DE read path)
 
 Ownership: a connector keeps its per-request record in `seq.kv_state` (no maps of its own keyed by request
@@ -39,6 +40,8 @@ class KvConnector(abc.ABC):
     # the task kind(s) an engine with this connector takes
     task_type: type[Task] | tuple[type[Task], ...] = GenerateTask
     serves_pulls = False  # whether `serve_pull` answers (the engine then subscribes to pulls)
+    supports_choices = False  # whether tasks with n > 1 are taken (else refused)
+    forks_choices = True  # with supports_choices: this engine forks them (a PE serves choice 0, its DE forks)
 
     async def start(self) -> None:  # noqa: B027 (optional hook)
         """Open connections and buffers. Called once before the first request."""
@@ -94,6 +97,12 @@ class KvConnector(abc.ABC):
         everything it attends is in the cache (every connector but `services/engine/route.py`)."""
         return None
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` (a choice of `parent`'s request, never accepted or loaded) now shares `parent`'s prompt
+        blocks: set up its record as if it had computed them (nothing left to load or persist for them).
+        Called on the event loop between steps, once per choice, only when `supports_choices`."""
+        raise InvalidRequestError(f"{type(self).__name__} does not fork choices")
+
     def release(self, seq: Sequence) -> None:  # noqa: B027
         """The sequence finished, failed or was preempted: drop what is held for it (read leases)."""
 
@@ -107,6 +116,11 @@ class KvConnector(abc.ABC):
 
 class NullConnector(KvConnector):
     """No external KV: every prompt token is computed, nothing persists."""
+
+    supports_choices = True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        child.kv_state = None
 
     async def load(self, seq: Sequence) -> None:
         return None

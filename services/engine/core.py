@@ -16,19 +16,19 @@ from typing import Any
 
 from gpu.grammar import GrammarCompiler
 from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq
-from services.engine import metrics, tracing
-from services.engine.admission import check_kv_plan, check_prompt
+from services.engine import choices, metrics, tracing
+from services.engine.admission import check_kv_plan, check_prompt, check_room
 from services.engine.config import EngineConfig
 from services.engine.connector import KvConnector, NullConnector
 from services.engine.outbox import Outgoing, Publish, TokenOutbox
-from services.engine.sampling import sampling_options
+from services.engine.sampling import banned_token_ids, new_sequence, sampling_options
 from services.engine.scheduler import EngineScheduler, PrefillChunk, StepPlan
 from services.engine.sequence import SeqStatus, Sequence
 from services.engine.step_faults import retry_alone
 from services.engine.stopping import check_stop
 from services.policy.batching import AttentionShape, BatchingLimits
 from services.policy.quota import QuotaPlanner, RateMeter
-from shared.errors import InvalidRequestError, KvpathError, OverloadedError
+from shared.errors import KvpathError, OverloadedError
 from shared.hashing import fingerprint_seed
 from shared.protocol import KvFormat, TaskAck, TokenDelta
 from shared.protocol.tasks import Task
@@ -99,28 +99,22 @@ class EngineCore:
         plan = task.plan
         if self.is_draining:
             raise OverloadedError(f"engine {self.engine_id} is draining")
-        if plan.request_id in self.seqs:
-            raise InvalidRequestError(f"duplicate request id {plan.request_id}", param="request_id")
-        if len(self.seqs) >= self.config.max_waiting + self.config.max_num_seqs:
-            raise OverloadedError(f"engine {self.engine_id} has {len(self.seqs)} requests queued")
-        spec = self.runner.spec
-        check_prompt(
-            plan,
-            max_model_len=spec.max_model_len,
-            vocab_size=spec.vocab_size,
-            block_size=self.runner.block_size,
-            num_kv_blocks=self.runner.kv.num_blocks,
-        )
-        check_kv_plan(plan, block_size=self.runner.block_size, seed=self._seed)
-        seq = Sequence(plan=plan, arrived_at=time.monotonic())
-        sampling_options(seq).check(spec.vocab_size)  # a bad parameter refuses this task, never fails a batch
-        if plan.sampling.grammar:
-            seq.grammar = self.grammars.compile(plan.sampling.grammar)
+        room = self.config.max_waiting + self.config.max_num_seqs - len(self.seqs)
+        num_choices = check_room(plan, self.seqs, room=room, connector=self.connector)  # choices.py
+        spec, block_size = self.runner.spec, self.runner.block_size
+        check_prompt(plan, max_model_len=spec.max_model_len, vocab_size=spec.vocab_size,
+                     block_size=block_size, num_kv_blocks=self.runner.kv.num_blocks)  # fmt: skip
+        check_kv_plan(plan, block_size=block_size, seed=self._seed)
+        seq = new_sequence(plan, spec.vocab_size, self.grammars)
+        seq.pending_choices = [
+            new_sequence(plan.choice(i), spec.vocab_size, self.grammars, seq) for i in range(1, num_choices)
+        ]
         return seq
 
     def start(self, seq: Sequence) -> None:
         """Take the admitted sequence: let the connector load its external KV, then schedule it."""
         self.seqs[seq.request_id] = seq
+        self.seqs.update((c.request_id, c) for c in seq.pending_choices)  # aborts find them before the fork
         self.is_idle.clear()
         seq.prepare_task = asyncio.create_task(self._prepare(seq), name=f"prepare:{seq.request_id}")
 
@@ -144,7 +138,7 @@ class EngineCore:
         if seq.error_code:
             await self.outbox.flush([self._finish(seq, "error")])
             return
-        if seq.finish_reason:  # another engine finished it (a PE whose first token ended the request)
+        if seq.finish_reason and not choices.pending(seq):  # its PE's first token ended it (choices.py)
             self._finish_silently(seq, seq.finish_reason)
             return
         seq.timings["queued_at"] = time.monotonic()
@@ -173,6 +167,8 @@ class EngineCore:
                 continue
             for seq in plan.preempted:
                 self.connector.release(seq)
+            if plan.copies:  # copy-on-write of shared blocks, before the step writes into the copies
+                await self.runner.copy_blocks(plan.copies)
             try:
                 tokens = await self._execute(plan)
             except Exception as exc:  # find the sequence(s) at fault: only they fail (step_faults.py)
@@ -190,6 +186,9 @@ class EngineCore:
         now = time.time()
         out: list[Outgoing] = []
         for seq in [s for s in self.seqs.values() if s.abort_reason or s.deadline_unix_s < now]:
+            if seq.error_code:  # a choice whose choice 0 failed before the fork (services/engine/choices.py)
+                out.append(self._finish(seq, "error"))
+                continue
             if seq.abort_reason and seq.abort_reason != "deadline":
                 self._finish_silently(seq, "abort")
                 continue
@@ -219,8 +218,9 @@ class EngineCore:
                 token_ids=c.seq.token_ids(c.start, c.start + c.num_tokens),
                 sample=c.sample,
                 sampling=sampling_options(c.seq),
-                banned_token_ids=self._banned(c.seq),
+                banned_token_ids=banned_token_ids(c.seq, self.runner.spec.eos_token_ids),
                 prefix=self.connector.attention_prefix(c.seq),
+                forks=[sampling_options(x) for x in choices.pending(c.seq)] if c.sample else [],
             )
             for c in computed
         ]
@@ -235,7 +235,10 @@ class EngineCore:
         metrics.PREFILL_BATCH_SIZE.observe(len(computed))
         metrics.PREFILL_TOKENS.inc(num_tokens)
         self.prefill_rate.add(num_tokens + sum(c.load_tokens for c in computed), elapsed)
-        return {c.seq: t for c, t in zip(computed, out, strict=True) if t is not None}
+        sampled = {c.seq: t for c, t in zip(computed, out, strict=True) if t is not None}
+        for c, p in zip(computed, pseqs, strict=True):  # the other choices' first tokens (choices.py)
+            sampled.update(zip(choices.pending(c.seq), p.fork_token_ids, strict=True))
+        return sampled
 
     async def _decode(self, seqs: list[Sequence]) -> dict[Sequence, int]:
         started = time.perf_counter()
@@ -246,7 +249,7 @@ class EngineCore:
                 num_cached_tokens=s.num_computed_tokens,
                 token_id=s.output_token_ids[-1],
                 sampling=sampling_options(s),
-                banned_token_ids=self._banned(s),
+                banned_token_ids=banned_token_ids(s, self.runner.spec.eos_token_ids),
                 prefix=self.connector.attention_prefix(s),
             )
             for s in seqs
@@ -255,12 +258,6 @@ class EngineCore:
         metrics.DECODE_STEP.observe(time.perf_counter() - started)
         metrics.BATCH_SIZE.observe(len(seqs))
         return dict(zip(seqs, out, strict=True))
-
-    def _banned(self, seq: Sequence) -> list[int]:
-        if len(seq.output_token_ids) >= seq.sampling.min_tokens:
-            return []
-        eos = [] if seq.sampling.ignore_eos else list(self.runner.spec.eos_token_ids)
-        return eos + list(seq.sampling.stop_token_ids)
 
     def _apply(self, plan: StepPlan, sampled: dict[Sequence, int]) -> list[Outgoing]:
         touched: list[Sequence] = []
@@ -275,6 +272,9 @@ class EngineCore:
             seq.num_computed_tokens += 1
             touched.append(seq)
         self.connector.save(touched)
+        touched += choices.fork(plan.prefill, sampled, self.scheduler, self.connector)
+        for seq in [s for s in touched if s.finish_reason and s.status is not SeqStatus.FINISHED]:
+            self._finish_silently(seq, seq.finish_reason or "stop")  # ended on its PE; its choices forked
         out: list[Outgoing] = []
         for seq in touched:
             if seq.status is SeqStatus.FINISHED:
@@ -314,9 +314,12 @@ class EngineCore:
     def _finish(self, seq: Sequence, reason: str) -> Outgoing:
         """The request leaves the engine: everything held for it is released here, and only here."""
         seq.finish_reason = seq.finish_reason or reason
+        if seq.pending_choices and choices.orphan(seq):
+            self._wake.set()
         # the connector sees the sequence before its blocks are freed (it may copy them out)
-        seq.final_wait = self.connector.finish(seq)
-        self.connector.release(seq)
+        if seq.choice_of is None:  # a choice still waiting for its fork has no connector record
+            seq.final_wait = self.connector.finish(seq)
+            self.connector.release(seq)
         self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
         if not self.seqs:

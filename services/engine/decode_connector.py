@@ -28,7 +28,7 @@ from services.engine.peers import PeerPool
 from services.engine.persist import PersistChain
 from services.engine.receive_area import DONE_LAYER, Extent, ReceiveArea, tag
 from services.engine.scheduler import PrefillChunk
-from services.engine.sequence import Sequence
+from services.engine.sequence import SeqStatus, Sequence
 from shared import telemetry
 from shared.blocks import blocks_for
 from shared.bus import Bus
@@ -62,11 +62,15 @@ class DeRecord:
     num_loaded_blocks: int = 0
     is_done: bool = False  # the PE's DONE notice arrived: nobody writes into the extent any more
     chain: PersistChain = field(default_factory=lambda: PersistChain(0))
+    is_choice: bool = (
+        False  # a choice forked from the request's choice 0: the extent and read are not its own
+    )
 
 
 class DecodeConnector(KvConnector):
     task_type = DecodeTask
     serves_pulls = True
+    supports_choices = True  # n > 1: choice 0's imported prompt is forked (services/engine/choices.py)
 
     def __init__(
         self,
@@ -192,7 +196,8 @@ class DecodeConnector(KvConnector):
             return
         if done.finish_reason:
             seq.finish_reason = done.finish_reason  # the PE finished the request already
-            return
+            if all(c.status is SeqStatus.FINISHED for c in seq.pending_choices):
+                return  # else the prompt is still imported, for the other choices
         if record.read is not None:
             await record.read  # DE path: the prefix in the node buffer is ours to import
         else:
@@ -208,6 +213,13 @@ class DecodeConnector(KvConnector):
         record.chain = PersistChain(record.num_loaded_blocks)  # those blocks are stored already
 
     # ------------------------------------------------------------------------------------------ import
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The choice's prompt blocks are choice 0's: imported and persisted (or on their way) for it."""
+        record: DeRecord = parent.kv_state
+        child.block_hashes = list(parent.block_hashes)
+        persisted = PersistChain(record.chain.num_persisted_blocks)
+        child.kv_state = DeRecord(record.pe_id, record.extent, is_done=True, chain=persisted, is_choice=True)
 
     def import_prefilled(self, chunks: Seq[PrefillChunk]) -> None:
         """Copy each taken-over prompt's KV into the cache (prefix: node buffer; the rest: DE buffer)."""
@@ -240,6 +252,8 @@ class DecodeConnector(KvConnector):
 
     def release(self, seq: Sequence) -> None:
         record: DeRecord = seq.kv_state
+        if record.is_choice:
+            return
         if record.is_done:
             self.area.free(record.extent)
             self._release_read(record)

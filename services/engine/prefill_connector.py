@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 class PrefillConnector(KvConnector):
     task_type = PrefillTask
+    supports_choices = True  # n > 1: the PE prefills choice 0 only; the DE forks the others from its KV
+    forks_choices = False
 
     def __init__(
         self,

@@ -1,11 +1,17 @@
 """A sequence's sampling options: its parameters and the state it owns (generator, token history, grammar,
-log-probability sink), as the model runner's sampler takes them each step."""
+log-probability sink), as the model runner's sampler takes them each step; a new sequence with that state
+checked and built; the tokens its next sample may not be."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
+
+from gpu.grammar import GrammarCompiler
 from gpu.runner import SamplingOptions
 from services.engine.sequence import Sequence
 from shared.errors import InvalidRequestError
+from shared.protocol import RequestPlan
 
 
 def sampling_options(seq: Sequence) -> SamplingOptions:
@@ -30,6 +36,26 @@ def sampling_options(seq: Sequence) -> SamplingOptions:
         grammar=seq.grammar,
         logprobs_out=seq.sampled_logprobs if s.logprobs >= 0 else None,
     )
+
+
+def new_sequence(
+    plan: RequestPlan, vocab_size: int, grammars: GrammarCompiler, choice_of: Sequence | None = None
+) -> Sequence:
+    """The sequence of a plan with its sampling state: options checked (a bad one refuses the task, never
+    fails a batch), its generator seeded and its grammar compiled."""
+    seq = Sequence(plan=plan, arrived_at=time.monotonic(), choice_of=choice_of)
+    sampling_options(seq).check(vocab_size)
+    if plan.sampling.grammar:
+        seq.grammar = grammars.compile(plan.sampling.grammar)
+    return seq
+
+
+def banned_token_ids(seq: Sequence, eos_token_ids: Iterable[int]) -> list[int]:
+    """Tokens the next sample may not be (-inf logits): EOS and stop tokens until `min_tokens` are out."""
+    if len(seq.output_token_ids) >= seq.sampling.min_tokens:
+        return []
+    eos = [] if seq.sampling.ignore_eos else list(eos_token_ids)
+    return eos + list(seq.sampling.stop_token_ids)
 
 
 def _logit_bias(ids: list[int], values: list[float]) -> dict[int, float] | None:

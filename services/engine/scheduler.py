@@ -5,6 +5,9 @@ prefilled and then waiting sequences fill a token budget (chunked prefill). When
 blocks, the newest running sequence is preempted (its blocks freed; it is recomputed later from prompt +
 output so far).
 Stored prefix KV (hits) is loaded during a sequence's first chunk: those tokens cost blocks, not budget.
+The n choices of one request share their prompt's blocks (`fork`, reference-counted); a choice about to
+write into a block it shares gets a private copy first (copy-on-write: `StepPlan.copies`, done before the
+step's forward), so only the partly filled last prompt block is ever copied, n - 1 times at most.
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ class BlockAllocator(Protocol):
     def free(self, block_ids: Seq[int]) -> None: ...
 
 
+class SharingAllocator(BlockAllocator, Protocol):
+    """An allocator whose blocks may have several owners (gpu.kv_cache.PagedKVCache): what `fork` needs."""
+
+    def share(self, block_ids: Seq[int]) -> None: ...
+
+    def ref_count(self, block_id: int) -> int: ...
+
+
 @dataclass(slots=True)
 class PrefillChunk:
     seq: Sequence
@@ -49,6 +60,7 @@ class StepPlan:
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) block, before compute
 
     @property
     def is_empty(self) -> bool:
@@ -104,10 +116,42 @@ class EngineScheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason
 
+    def fork(self, parent: Sequence, child: Sequence, num_computed_tokens: int) -> None:
+        """`child` continues from the first `num_computed_tokens` of `parent`'s prompt (in the cache):
+        it shares the blocks holding the prompt (one more owner each) and runs from the next step on."""
+        allocator: SharingAllocator = self.allocator  # type: ignore[assignment]
+        shared = parent.block_ids[: blocks_for(parent.num_prompt_tokens, self.block_size)]
+        allocator.share(shared)
+        child.block_ids = list(shared)
+        child.num_computed_tokens = num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.choice_of = None
+        parent.may_share_blocks = child.may_share_blocks = True
+        child.status = SeqStatus.RUNNING
+        self.running.append(child)
+
     def _free(self, seq: Sequence) -> None:
         if seq.block_ids:
             self.allocator.free(seq.block_ids)
             seq.block_ids = []
+
+    def _own_next_block(self, seq: Sequence, plan: StepPlan) -> bool:
+        """Copy-on-write: the block the next token is written into becomes the sequence's own (a copy when it
+        has other owners); False (nothing changed) if the cache has no free block for the copy."""
+        index = seq.num_computed_tokens // self.block_size
+        if not seq.may_share_blocks or index >= len(seq.block_ids):
+            return True
+        allocator: SharingAllocator = self.allocator  # type: ignore[assignment]
+        shared = seq.block_ids[index]
+        if allocator.ref_count(shared) == 1:
+            return True
+        if not allocator.num_free_blocks:
+            return False
+        copy = allocator.allocate(1)[0]
+        plan.copies.append((shared, copy))
+        seq.block_ids[index] = copy
+        allocator.free([shared])
+        return True
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make `seq`'s block table cover `num_tokens`; False (nothing allocated) if the cache is short."""
@@ -179,7 +223,7 @@ class EngineScheduler:
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or seq.is_prefilling:
                 continue
-            while not self._grow(seq, seq.num_computed_tokens + 1):
+            while not (self._own_next_block(seq, plan) and self._grow(seq, seq.num_computed_tokens + 1)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)
@@ -197,6 +241,8 @@ class EngineScheduler:
         load = seq.num_hit_tokens if seq.num_computed_tokens == 0 else 0
         start = _start(seq)
         num = min(budget, seq.prefill_target - start)
+        if num > 0 and not self._own_next_block(seq, plan):  # a forked choice recomputing into a shared block
+            return None
         if num <= 0:
             if load <= 0 or load < seq.prefill_target or not self._grow(seq, load + 1):
                 return None

@@ -58,6 +58,12 @@ class Sequence:
     trace: Any = None  # services.engine.tracing.SeqTrace while tracing is on, else None
     route: Any = None  # move the query: its route session or held-chunk import (services/engine/route.py)
     num_postponed: int = 0  # times overtaken in this engine's prefill queue (AMPD's Algorithm 2 caps it)
+    # choices 1..n-1 of a request with n > 1 (choice 0 is this sequence): they wait, PREPARING, until this
+    # one's prompt is prefilled, then fork its block table and sample their first token from the same logits
+    # (EngineCore._fork); empty once forked
+    pending_choices: list[Sequence] = field(default_factory=list)
+    choice_of: Sequence | None = None  # choice 0, while this choice waits for it (no connector record yet)
+    may_share_blocks: bool = False  # forked: blocks may have other owners (copied before written)
 
     def __post_init__(self) -> None:
         if not self.block_hashes:

@@ -3,8 +3,9 @@
 SSE framing is OpenAI's: `data: {json}\\n\\n` per chunk, `data: [DONE]\\n\\n` at the end; with
 `stream_options.include_usage` a last chunk with empty `choices` carries `usage` (with
 `prompt_tokens_details.cached_tokens`). Errors before the first byte are plain HTTP errors in OpenAI's body
-format; errors after it are an `error` event followed by `[DONE]`. A request with `n` choices runs as `n`
-engine requests (seeds `seed + i`), merged into one response.
+format; errors after it are an `error` event followed by `[DONE]`. A request with `n` choices is one engine
+task that prefills the prompt once and forks it n ways (colocated and DualPath; else n tasks), choice i
+seeded `seed + i`, merged into one response (choices.py).
 """
 
 from __future__ import annotations
@@ -133,8 +134,7 @@ async def _serve(request: web.Request, parse: Callable[[Any, str], GenerationReq
     req = prompt.request
     request_id = ctx.core.new_request_id(req.endpoint)
     usages = [Usage() for _ in range(req.n)]
-    ids = [request_id] + [f"{request_id}-{i}" for i in range(1, req.n)]
-    generators = [ctx.core.generate(prompt, ids[i], usages[i], i) for i in range(req.n)]
+    generators = ctx.core.generate_choices(prompt, request_id, usages)
     renderer = ResponseRenderer(_render_options(ctx, prompt, request_id))
     outcome = "ok"
     try:

@@ -17,12 +17,13 @@ from typing import Any
 from services.policy.ampd import SESSION_POLICIES
 from services.policy.colocated import COLOCATED_POLICIES
 from services.router import metrics
+from services.router.choices import ChoiceGroup
 from services.router.config import RouterConfig
 from services.router.disaggregated import DisaggregatedDispatch, SchedulerParams
 from services.router.dispatch import ColocatedDispatch, Dispatch, publish_abort
 from services.router.engines import EngineTable
 from services.router.kv_plan import KvPlanner
-from services.router.prompts import PreparedPrompt
+from services.router.prompts import PreparedPrompt, sampling_params
 from services.router.session_dispatch import SessionDispatch, session_params
 from services.router.stops import StopMatcher
 from services.router.streams import RequestStream, StreamTable
@@ -37,7 +38,8 @@ from shared.errors import (
     error_from_code,
 )
 from shared.hashing import kv_salt
-from shared.protocol import LoadReport, RequestPlan, SamplingParams, TokenBatch, TokenDelta
+from shared.protocol import LoadReport, RequestPlan, TokenBatch, TokenDelta
+from shared.protocol.tasks import choice_request_id
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +130,36 @@ class RouterCore:
         log.debug("request accepted request_id=%s endpoint=%s", request_id, endpoint)
         return request_id
 
+    @property
+    def shares_prompt(self) -> bool:
+        """Whether a request's n choices go as one task, forked by the engine from one prefill (colocated
+        engines without move-the-query, DualPath's decode engines); else as n tasks of one choice."""
+        dispatch = self.dispatch
+        if isinstance(dispatch, ColocatedDispatch):
+            return dispatch.held_routing is None
+        return isinstance(dispatch, DisaggregatedDispatch)
+
+    def generate_choices(
+        self, prompt: PreparedPrompt, request_id: str, usages: list[Usage]
+    ) -> list[AsyncGenerator[Piece]]:
+        """One generator per choice (`len(usages)` of them; services/router/choices.py), as `generate`."""
+        n = len(usages)
+        group = ChoiceGroup(n) if n > 1 and self.shares_prompt else None
+        return [
+            self.generate(prompt, choice_request_id(request_id, i), usages[i], i, group) for i in range(n)
+        ]
+
     async def generate(
-        self, prompt: PreparedPrompt, request_id: str, usage: Usage, choice: int = 0
+        self,
+        prompt: PreparedPrompt,
+        request_id: str,
+        usage: Usage,
+        choice: int = 0,
+        group: ChoiceGroup | None = None,
     ) -> AsyncGenerator[Piece]:
         """Dispatch and stream. The caller must exhaust or close the iterator (closing aborts the request).
-        `choice`: which of the request's n samples (its seed is the request's plus `choice`)."""
+        `choice`: which of the request's n samples (its seed is the request's plus `choice`); `group`: the
+        choices sent as one task (choice 0 dispatches it)."""
         if self.inflight >= self.config.max_inflight_requests:
             raise OverloadedError(f"router has {self.inflight} requests in flight; retry later")
         started = time.monotonic()
@@ -143,10 +170,7 @@ class RouterCore:
         stream: RequestStream | None = None
         is_finished = False
         try:
-            plan, locality = await self._plan(prompt, request_id, deadline, choice)
-            # open before dispatch: the first tokens may arrive before the ack
-            stream = self.streams.open(request_id)
-            usage.timings.update(await self.dispatch.dispatch(plan, deadline, self.streams, locality))
+            stream = await self._open(prompt, request_id, usage, deadline, choice, group)
             metrics.QUEUED.dec()
             metrics.RUNNING.inc()
             # one timer per request, not one per wait: at the deadline the stream gets the deadline error
@@ -155,8 +179,8 @@ class RouterCore:
             )
             try:
                 async for piece in self._pieces(stream, prompt, deadline, usage, started):
-                    if piece.finish_reason is not None:
-                        is_finished = True
+                    if piece.finish_reason is not None:  # a stop string may end it here first: abort
+                        is_finished = stream.is_finished  # the engine's part then (it sent no finish)
                     yield piece
             finally:
                 expiry.cancel()
@@ -170,19 +194,67 @@ class RouterCore:
             self.inflight -= 1
             if not self.inflight:
                 self.is_idle.set()
-            if stream is not None:
-                self.streams.close(request_id)
+            if group is not None:
+                group.left.add(request_id)
+            self.streams.close(request_id)
             if not is_finished:
                 await publish_abort(self.bus, request_id, "client gone or request failed")
 
+    async def _open(
+        self,
+        prompt: PreparedPrompt,
+        request_id: str,
+        usage: Usage,
+        deadline: float,
+        choice: int,
+        group: ChoiceGroup | None,
+    ) -> RequestStream:
+        """The choice's token stream once its task is dispatched (choice 0 of a group dispatches for all)."""
+        if group is not None and choice > 0:
+            return await self._join(group, request_id, deadline)
+        others = (
+            [] if group is None else [choice_request_id(request_id, i) for i in range(1, group.num_choices)]
+        )
+        try:
+            plan, locality = await self._plan(prompt, request_id, deadline, choice, len(others) + 1)
+            # open before dispatch: the first tokens may arrive before the ack
+            stream = self.streams.open(request_id)
+            stream.choice_ids = others
+            for other in others:
+                if group is not None and other not in group.left:
+                    self.streams.open(other)
+            usage.timings.update(await self.dispatch.dispatch(plan, deadline, self.streams, locality))
+        except BaseException as exc:
+            if group is not None:
+                cancelled = EngineFailedError("the request ended before its choices were dispatched")
+                group.resolve(exc if isinstance(exc, Exception) else cancelled)
+            raise
+        for other in (o for o in others if self.streams.get(o) is not None):
+            for engine_id in stream.engine_ids:  # the engine's failure fails every choice
+                self.streams.assign(other, engine_id)
+        if group is not None:
+            group.resolve()
+        return stream
+
+    async def _join(self, group: ChoiceGroup, request_id: str, deadline: float) -> RequestStream:
+        """Choice i > 0 of a group: its stream, once choice 0 dispatched the task (or its error)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(group.dispatched), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise self._deadline_error() from None
+        stream = self.streams.get(request_id)
+        if stream is None:
+            raise EngineFailedError(f"the stream of {request_id} closed before its task was dispatched")
+        return stream
+
     async def _plan(
-        self, prompt: PreparedPrompt, request_id: str, deadline: float, choice: int
+        self, prompt: PreparedPrompt, request_id: str, deadline: float, choice: int, num_choices: int = 1
     ) -> tuple[RequestPlan, Mapping[str, int]]:
         """The request's plan, built once (every task kind carries it as it is), and where its prefix lies."""
         kv_format = self.engines.kv_format
         if kv_format is None:
             raise NoEngineAvailableError("no engine has reported yet")
-        sampling = sampling_params(prompt, choice)
+        sampling = sampling_params(prompt, choice, num_choices)
         salt = kv_salt(prompt.request.tenant, prompt.request.cache_salt)
         planned = await self.kv_planner.plan(prompt.token_ids, kv_format, request_id, salt)
         plan = RequestPlan(
@@ -264,29 +336,6 @@ class RouterCore:
 
     def _deadline_error(self) -> DeadlineExceededError:
         return DeadlineExceededError(f"request exceeded its {self.config.request_deadline_s:.0f}s deadline")
-
-
-def sampling_params(prompt: PreparedPrompt, choice: int = 0) -> SamplingParams:
-    """What the engines sample with; choice i of n gets the seed plus i (distinct and reproducible)."""
-    req = prompt.request
-    return SamplingParams(
-        max_tokens=prompt.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        seed=None if req.seed is None else req.seed + choice,
-        ignore_eos=req.ignore_eos,
-        min_tokens=min(req.min_tokens, prompt.max_tokens),
-        stop_token_ids=req.stop_token_ids,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        logit_bias_ids=list(req.logit_bias),
-        logit_bias_values=list(req.logit_bias.values()),
-        logprobs=req.logprobs,
-        grammar=prompt.grammar,
-    )
 
 
 def _observe_stages(timings: dict[str, float]) -> None:

@@ -9,6 +9,7 @@ from gpu.grammar import json_object_grammar, json_schema_grammar
 from services.router.requests import GenerationRequest
 from services.router.tools import template_messages, tool_grammar
 from shared.errors import ContextLengthExceededError, InvalidRequestError
+from shared.protocol import SamplingParams
 
 
 @dataclass(slots=True)
@@ -104,4 +105,29 @@ def prepare_prompt(
         tokenizer=tokenizer,
         grammar=_grammar(req, grammars),
         parses_tool_calls=req.tools is not None and req.tools.can_call,
+    )
+
+
+def sampling_params(prompt: PreparedPrompt, choice: int = 0, num_choices: int = 1) -> SamplingParams:
+    """What the engines sample with; choice i of n gets the seed plus i (distinct and reproducible), here
+    or, for `num_choices` sampled by one task, in the engine (`SamplingParams.choice`)."""
+    req = prompt.request
+    return SamplingParams(
+        max_tokens=prompt.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=None if req.seed is None else req.seed + choice,
+        ignore_eos=req.ignore_eos,
+        min_tokens=min(req.min_tokens, prompt.max_tokens),
+        stop_token_ids=req.stop_token_ids,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias_ids=list(req.logit_bias),
+        logit_bias_values=list(req.logit_bias.values()),
+        logprobs=req.logprobs,
+        grammar=prompt.grammar,
+        n=num_choices,
     )

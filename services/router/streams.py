@@ -30,6 +30,7 @@ class RequestStream:
     queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
     next_seq: int = 0
     is_finished: bool = False
+    choice_ids: list[str] = field(default_factory=list)  # choice 0's: the other choices of its one task
 
     def put_error(self, error: KvpathError) -> None:
         if not self.is_finished:
@@ -104,8 +105,9 @@ class StreamTable:
 
     def _push(self, stream: RequestStream, delta: TokenDelta, engine_id: str) -> int:
         stream.next_seq += 1
-        if delta.handoff:
-            self.unassign(delta.request_id, engine_id)
+        if delta.handoff:  # the PE is done with the request: with every choice of it (a DE forks them)
+            for request_id in [delta.request_id, *stream.choice_ids]:
+                self.unassign(request_id, engine_id)
         if delta.finish_reason is not None:
             stream.is_finished = True
         stream.queue.put_nowait(delta)

@@ -7,6 +7,7 @@ Adding a field with a default is compatible; removing or retyping one bumps the 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import field
 from typing import Any
 
@@ -111,6 +112,7 @@ class SamplingParams(Message):
         "logit_bias_ids": (0, None),
         "logit_bias_values": (-100.0, 100.0),
         "logprobs": (-1, 20),
+        "n": (1, 64),
     }
     max_tokens: int = 16
     temperature: float = 1.0
@@ -128,6 +130,13 @@ class SamplingParams(Message):
     logit_bias_values: list[float] = field(default_factory=list)
     logprobs: int = -1  # -1: none; k >= 0: each token's log-probability and the k most likely
     grammar: str = ""  # llguidance grammar (gpu.grammar) the output must match; "": unconstrained
+    n: int = 1  # choices sampled from one prefill of the prompt (the engine forks them: `choice`)
+
+    def choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of n: one choice, seeded `seed + index` (None stays unseeded), so
+        the choices are distinct and each is reproducible alone."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
 
     def check(self) -> None:
         if self.repetition_penalty <= 0:

@@ -37,6 +37,11 @@ MAX_ID_CHARS = 256
 READ_SIDES = ("", "pe", "de", "hbm")  # hbm: streamed from the decode engine's resident cache (AMPD)
 
 
+def choice_request_id(request_id: str, index: int) -> str:
+    """The request id of choice `index` of a request with n choices (choice 0 keeps the request's own)."""
+    return request_id if index == 0 else f"{request_id}-{index}"
+
+
 @message
 class KvPlan(Message):
     """A prompt's blocks as the router sees them.
@@ -87,6 +92,11 @@ class RequestPlan(Message):
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def choice(self, index: int) -> RequestPlan:
+        """The plan of choice `index` of `sampling.n`: its own request id and seed, the same prompt and KV."""
+        request_id = choice_request_id(self.request_id, index)
+        return dataclasses.replace(self, request_id=request_id, sampling=self.sampling.choice(index))
 
     def check(self) -> None:
         check_token(self.router_id, "router id")  # deltas go to tokens.<router_id>: never a wildcard

@@ -190,6 +190,63 @@ async def test_client_disconnect_aborts_and_frees_the_engine(
     await wait_until(lambda: engine_idle(http, engine_url), timeout_s=10)
 
 
+async def test_n_choices_prefill_once_and_a_disconnect_frees_them_all(
+    cluster: UpProcess, http: aiohttp.ClientSession
+) -> None:
+    """n streamed choices: one prefill of the prompt on the engine, n sequences decoding; the client going
+    away aborts all n and frees every block."""
+    engine_url = next(u for name, u in cluster.services.items() if name.startswith("engine"))
+    prompt = "a prompt of a few blocks, " * 12
+    async with http.post(f"{cluster.url}/tokenize", json={"model": "tiny", "prompt": prompt}) as resp:
+        num_prompt_tokens = (await resp.json())["count"]
+    prefilled = await prefill_tokens(http, engine_url)
+    body = {"model": "tiny", "prompt": prompt, "n": 4, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    resp = await http.post(f"{cluster.url}/v1/completions", json=body)
+    assert resp.status == 200
+    started: set[int] = set()
+    while len(started) < 4:  # every choice has streamed a token
+        event = orjson.loads((await resp.content.readuntil(b"\n\n"))[len(b"data: ") :])
+        started.update(c["index"] for c in event["choices"])
+    health = await (await http.get(f"{engine_url}/health")).json()
+    assert health["num_running"] == 4
+    assert await prefill_tokens(http, engine_url) - prefilled == num_prompt_tokens  # once, not 4 times
+    resp.close()  # the client goes away mid-stream
+    await wait_until(lambda: engine_idle(http, engine_url), timeout_s=10)
+
+
+async def test_a_stop_string_ends_every_choice_on_the_engine_too(
+    cluster: UpProcess, http: aiohttp.ClientSession
+) -> None:
+    """The router matches stop strings; a choice that hit one is aborted on the engine at once (it would
+    otherwise decode on to max_tokens for nobody)."""
+    engine_url = next(u for name, u in cluster.services.items() if name.startswith("engine"))
+    base = {"model": "tiny", "prompt": [72, 105], "ignore_eos": True, "temperature": 0}
+    async with http.post(f"{cluster.url}/v1/completions", json={**base, "max_tokens": 12}) as resp:
+        stop = (await resp.json())["choices"][0]["text"][4:7]
+    aborted = await finished(http, engine_url, "abort")
+    body = {**base, "max_tokens": 500, "n": 2, "stop": [stop]}
+    async with http.post(f"{cluster.url}/v1/completions", json=body) as resp:
+        assert [c["finish_reason"] for c in (await resp.json())["choices"]] == ["stop", "stop"]
+    await wait_until(lambda: _more(finished(http, engine_url, "abort"), aborted + 2), timeout_s=10)
+    await wait_until(lambda: engine_idle(http, engine_url), timeout_s=10)
+
+
+async def finished(http: aiohttp.ClientSession, engine_url: str, reason: str) -> float:
+    text = await (await http.get(f"{engine_url}/metrics")).text()
+    line = f'kvpath_engine_requests_finished_total{{reason="{reason}"}} '
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+
+async def _more(value: Any, at_least: float) -> bool:
+    return float(await value) >= at_least
+
+
+async def prefill_tokens(http: aiohttp.ClientSession, engine_url: str) -> float:
+    text = await (await http.get(f"{engine_url}/metrics")).text()
+    [line] = [x for x in text.splitlines() if x.startswith("kvpath_engine_prefill_tokens_total ")]
+    return float(line.split()[1])
+
+
 async def engine_idle(http: aiohttp.ClientSession, engine_url: str) -> bool:
     health = await (await http.get(f"{engine_url}/health")).json()
     return (

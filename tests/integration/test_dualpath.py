@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import re
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
+import orjson
 import pytest
 
 from shared.bus import Bus, Registry
 from shared.protocol import ServiceInfo
 from tests.cluster import Stack, UpProcess, wait_ready
+from tests.integration.test_api import engine_idle, wait_until
 from tests.integration.test_kv_reuse import complete, run_session
 
 pytestmark = pytest.mark.slow
@@ -202,3 +205,39 @@ async def new_incarnation(bus: Bus, service_id: str, old_url: str) -> None:
 async def router_engines(http: aiohttp.ClientSession, url: str) -> int:
     async with http.get(f"{url}/health") as resp:
         return int((await resp.json())["engines"])
+
+
+async def test_n_choices_prefill_once_on_the_pe_and_fork_on_the_de(
+    disagg: UpProcess, model: str, http: aiohttp.ClientSession
+) -> None:
+    """n choices: the PE prefills the prompt once, the DE forks it (one recomputed token per extra choice);
+    greedy choices are equal, sampled ones differ, and a client going away frees every block of the DE."""
+    pe_url = next(u for name, u in disagg.services.items() if name.startswith("pe"))
+    de_url = next(u for name, u in disagg.services.items() if name.startswith("de"))
+    counter = "kvpath_engine_prefill_tokens_total"
+
+    async def choices(**extra: object) -> tuple[list[list[int]], int, float, float]:
+        before = [await metric(http, url, counter) for url in (pe_url, de_url)]
+        prompt = f"{uuid.uuid4().hex} a prompt of a few blocks " * 8  # never stored before: no prefix hit
+        body = {"model": model, "prompt": prompt, "n": 3, "max_tokens": 8, "return_token_ids": True, **extra}
+        async with http.post(f"{disagg.url}/v1/completions", json=body) as resp:
+            out = await resp.json()
+        after = [await metric(http, url, counter) for url in (pe_url, de_url)]
+        ids = [c["token_ids"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+        return ids, len(out["prompt_token_ids"]), after[0] - before[0], after[1] - before[1]
+
+    greedy, num_prompt_tokens, pe_tokens, de_tokens = await choices(temperature=0, ignore_eos=True)
+    assert greedy[0] == greedy[1] == greedy[2] and len(greedy[0]) == 8
+    assert (pe_tokens, de_tokens) == (num_prompt_tokens, 2)  # once on the PE; the last token per fork
+    sampled, *_ = await choices(temperature=1, seed=5, ignore_eos=True)
+    assert len({tuple(s) for s in sampled}) > 1
+    ended, *_ = await choices(temperature=0, ignore_eos=True, max_tokens=1)  # choice 0 ends on the PE
+    assert len(ended[0]) == 1 and ended[0] == ended[1] == ended[2]  # the DE forked the others all the same
+    body = {"model": model, "prompt": f"{uuid.uuid4().hex} long", "n": 3, "max_tokens": 500, "stream": True}
+    resp = await http.post(f"{disagg.url}/v1/completions", json={**body, "ignore_eos": True})
+    started: set[int] = set()
+    while len(started) < 3:  # every choice streams from the DE
+        event = orjson.loads((await resp.content.readuntil(b"\n\n"))[len(b"data: ") :])
+        started.update(c["index"] for c in event["choices"])
+    resp.close()  # the client goes away mid-stream
+    await wait_until(lambda: engine_idle(http, de_url), timeout_s=10)

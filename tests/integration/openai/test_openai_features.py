@@ -207,9 +207,11 @@ async def test_n_choices_echo_and_sampling_parameters_apply(client: openai.Async
 async def test_bad_parameters_fail_alone_with_openai_errors(client: openai.AsyncOpenAI) -> None:
     good = client.completions.create(model="tiny", prompt="ok", max_tokens=4, temperature=0)
     bad = client.completions.create(model="tiny", prompt="ok", max_tokens=4, logit_bias={"99999": 1})
-    results = await asyncio.gather(good, bad, return_exceptions=True)
+    bad_n = client.completions.create(model="tiny", prompt="ok", max_tokens=4, n=3, logit_bias={"99999": 1})
+    results = await asyncio.gather(good, bad, bad_n, return_exceptions=True)
     assert not isinstance(results[0], BaseException) and results[0].choices[0].text is not None
-    assert isinstance(results[1], openai.BadRequestError) and results[1].body["param"] == "logit_bias"  # type: ignore[index]
+    for refused in results[1:]:  # the engine refuses the task; with n = 3 every choice fails with it
+        assert isinstance(refused, openai.BadRequestError) and refused.body["param"] == "logit_bias"  # type: ignore[index]
     fmt: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(model="tiny", messages=_user("x"), response_format=fmt)

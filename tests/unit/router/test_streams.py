@@ -69,3 +69,19 @@ def test_fail_engine_touches_only_its_streams_and_close_unlinks() -> None:
     table.close("a")
     table.close("b")
     assert table.engines_with_streams() == [] and len(table) == 0
+
+
+def test_choice_0_handed_off_frees_every_choice_from_the_prefill_engine() -> None:
+    # n choices as one DualPath task: the PE prefills choice 0 only, the DE streams every choice
+    table = StreamTable()
+    first = table.open("r", "pe")
+    first.choice_ids = ["r-1", "r-2"]
+    for rid in first.choice_ids:
+        table.open(rid, "pe")
+    for rid in ["r", *first.choice_ids]:
+        table.assign(rid, "de")
+    handoff = d("r", 0, 6)
+    handoff.handoff = True
+    table.deliver(batch(handoff, engine="pe"))
+    assert table.fail_engine("pe", EngineFailedError("gone")) == 0  # no choice depends on the PE now
+    assert table.fail_engine("de", EngineFailedError("gone")) == 3
