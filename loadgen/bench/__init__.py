@@ -14,6 +14,7 @@
                                                                                    beluga_serve.py)
   movequery  route vs fetch vs local for a held chunk, measured vs the cost model   movequery.py
   ampd       AMPD vs always-remote vs colocated: SLO attainment per trace           ampd.py
+  auto       one cost model over every KV path vs the fixed policies (issue 13)     auto.py (auto_live.py)
   agent      issue 12's done-when: tools, json_schema, logprobs (openai client)     agent.py
 
 `register` is the `bench` entry of the `kvpath.commands` entry-point group (pyproject.toml). It imports the
@@ -31,6 +32,7 @@ def register(subparsers: Any) -> None:
     from loadgen.bench import (
         agent,
         ampd,
+        auto,
         beluga,
         dualpath,
         faults,
@@ -49,4 +51,5 @@ def register(subparsers: Any) -> None:
     for module in (model, transport, storage, index, serve, router, dualpath, beluga, tracing, ampd, faults):
         module.register(bench_sub)
     movequery.register(bench_sub)
+    auto.register(bench_sub)
     agent.register(bench_sub)

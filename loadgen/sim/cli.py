@@ -6,6 +6,8 @@ kvpath loadgen sim --sweep ablation --model ds660b --agents 1024            # pa
 kvpath loadgen sim --sweep cost                                             # scheduler CPU at 48P96D
 kvpath loadgen sim --sweep capacity --model ds660b --aps 0.2 --duration-s 900
 kvpath loadgen sim --sweep beluga                                            # Beluga vs MoonCake, Table 5
+kvpath loadgen sim --sweep auto                # every KV path, one cost model vs the fixed policies
+kvpath loadgen sim --policy auto               # the `auto` policy alone on the same five workloads
 
 `--sweep beluga` reads only its own flags (the PoolSimConfig group, YAML section `sim_pool:`) and `--seed`.
 """
@@ -24,7 +26,7 @@ from loadgen.sim.pool.config import PoolSimConfig
 from shared.config import add_config_args, build_config
 from shared.errors import KvpathError
 
-SWEEPS = ("none", "fig8", "ablation", "cost", "capacity", "beluga", "movequery")
+SWEEPS = ("none", "fig8", "ablation", "cost", "capacity", "beluga", "movequery", "auto")
 # --sweep cost without these flags: the paper's largest run, for a short simulated stretch
 COST_DEFAULTS = {"model": "ds660b", "config": "48P96D", "agents": 49152, "max_sim_s": 600.0}
 
@@ -92,6 +94,10 @@ def _run(args: argparse.Namespace) -> int:
 
         summary = movequery_sweep()
         return _emit(args, summary, format_movequery(summary))
+    if args.sweep == "auto" or (args.sweep == "none" and getattr(args, "policy", None) == "auto"):  # issue 13
+        from loadgen.sim.auto.cli import run_from_args
+
+        return _emit(args, *run_from_args(args))
     if args.sweep == "beluga":
         from loadgen.sim.pool.report import format_beluga
         from loadgen.sim.pool.sweep import beluga_config, beluga_sweep

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.policy.ampd import SESSION_POLICIES, SLACK_ORDERS
+from services.policy.auto import AUTO
 from services.policy.colocated import COLOCATED_POLICIES
 from services.policy.placement import POLICIES
 from shared.config import BaseConfig, check, doc
@@ -19,7 +20,7 @@ class RouterConfig(BaseConfig):
     policy: str = doc(
         "colocated",
         "scheduling policy: colocated | beluga | cache-aware | dualpath | basic | dualpath-rr | ampd | "
-        "disagg-remote | session-colocated",
+        "disagg-remote | session-colocated | auto (colocated engines, one cost model over every KV path)",
     )
     max_tokens_limit: int = doc(8192, "largest max_tokens a request may ask for")
     request_deadline_s: float = doc(600.0, "every request fails with 504 after this long")
@@ -45,7 +46,7 @@ class RouterConfig(BaseConfig):
         "random", "AMPD: the PE with TTFT slack that takes a prefill: random | least-queue"
     )
     remote_pick: str = doc("rr", "disagg-remote: the PE of each prefill, rr (round robin) | least-queue")
-    cost_profile: str = doc("", "AMPD: cost profile file of `kvpath profile` (default: measured rates)")
+    cost_profile: str = doc("", "AMPD, auto: cost profile file of `kvpath profile` (default: measured rates)")
     kv_link: str = doc("shm", "AMPD: the cost profile's link between prefill and decode engines")
     move_query: str = doc(
         "", "prompts starting with a chunk another engine holds: auto | route | fetch | local ('' off)"
@@ -62,7 +63,7 @@ class RouterConfig(BaseConfig):
 
     def validate(self) -> None:
         BaseConfig.validate(self)
-        policies = (*COLOCATED_POLICIES, *POLICIES, *SESSION_POLICIES)
+        policies = (*COLOCATED_POLICIES, *POLICIES, *SESSION_POLICIES, AUTO)
         check(self.policy in policies, "policy", self.policy, f"one of {', '.join(policies)}")
         check(self.max_tokens_limit >= 1, "max_tokens_limit", self.max_tokens_limit, "must be >= 1")
         check(self.request_deadline_s > 0, "request_deadline_s", self.request_deadline_s, "must be > 0")

@@ -17,6 +17,7 @@ from typing import Any
 from services.policy.ampd import SESSION_POLICIES
 from services.policy.colocated import COLOCATED_POLICIES
 from services.router import metrics
+from services.router.auto_dispatch import AUTO, build_auto_dispatch
 from services.router.choices import ChoiceGroup
 from services.router.config import RouterConfig
 from services.router.disaggregated import DisaggregatedDispatch, SchedulerParams
@@ -359,6 +360,8 @@ def build_dispatch(config: RouterConfig, engines: EngineTable, bus: Bus, router_
                 engines, mode=config.move_query, profile=profile, fabric=config.movequery_fabric
             )
         return dispatch
+    if config.policy == AUTO:  # one cost model over the paths colocated engines offer
+        return build_auto_dispatch(config, engines, bus, router_id)
     if config.policy in SESSION_POLICIES:
         return SessionDispatch(engines, bus, router_id, config.task_ack_timeout_s, session_params(config))
     params = SchedulerParams(

@@ -58,3 +58,13 @@ MOVEQUERY_CHOICES = Counter(
     "Requests whose prompt starts with a chunk another engine holds, by primitive (route, fetch, local)",
     ["primitive"],
 )
+PLANS = Counter(
+    "kvpath_router_plan_total",
+    "Requests by the plan `--policy auto` chose (where it prefilled / where its hit KV came from)",
+    ["plan"],
+)
+PLAN_TTFT_ERROR = Histogram(
+    "kvpath_router_plan_ttft_error_seconds",
+    "`--policy auto`: |predicted - measured| TTFT (both from dispatch) of each request",
+    buckets=_LATENCY_BUCKETS,
+)

@@ -33,6 +33,7 @@ import aiohttp
 
 from gpu.model_spec import DEFAULT_MODEL, EMBEDDED_MODELS, PACKAGED_MODELS
 from services.policy.ampd import SESSION_COLOCATED
+from services.policy.auto import AUTO
 from services.policy.colocated import BELUGA, CACHE_AWARE, COLOCATED, COLOCATED_POLICIES
 from services.up.supervision import Child, RestartPolicy, all_healthy, die_with_parent, tail, write_atomically
 from services.up.topology import ClusterSpec, ProcessSpec, cluster_processes
@@ -77,7 +78,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--policy",
         default="",
         help="colocated | beluga | cache-aware | dualpath | basic | dualpath-rr (disaggregated: default "
-        "dualpath) | ampd | disagg-remote (disaggregated, session engines) | session-colocated",
+        "dualpath) | ampd | disagg-remote (disaggregated, session engines) | session-colocated | auto "
+        "(colocated: one cost model over the KV paths they offer)",
     )
     p.add_argument(
         "--kv-tier",
@@ -107,7 +109,7 @@ def spec_from_args(args: argparse.Namespace, kv_root: str) -> ClusterSpec:
         raise SystemExit("kvpath up: disaggregated mode needs --prefill-nodes >= 1 and --decode-nodes >= 1")
     default = {"pool": BELUGA, "remote": CACHE_AWARE}.get(args.kv_tier, COLOCATED)
     policy = args.policy or ("dualpath" if disaggregated else default)
-    if disaggregated == (policy in (*COLOCATED_POLICIES, SESSION_COLOCATED)):
+    if disaggregated == (policy in (*COLOCATED_POLICIES, SESSION_COLOCATED, AUTO)):
         raise SystemExit(f"kvpath up: policy {policy!r} does not fit the topology")
     if args.kv_tier != "storage" and (disaggregated or args.no_kv_store):
         raise SystemExit("kvpath up: --kv-tier pool|remote serves colocated engines with a KV store")

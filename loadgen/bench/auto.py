@@ -1,0 +1,109 @@
+"""`kvpath bench auto`: one cost model choosing among every KV path (`--policy auto`) against the fixed
+policies, on the five workloads of issue 13, in one run.
+
+  simulated   every policy on `dualpath`, `ampd`, `pool`, `fanin` and `mix` on one simulated cluster
+              (`loadgen/sim/auto`: 2 nodes x (1 prefill + 1 decode engine), or the same 4 GPUs colocated for
+              the colocated policies; H100-class profile), and with `--paper-scale` on 8 nodes with 4x the
+              sessions. Scores are lower-is-better: mean session JCT in seconds, 1 - SLO attainment for ampd.
+  live        (`--live`) real `kvpath up` clusters of colocated engines: `beluga` vs `auto` on the pool tier,
+              `cache-aware` vs `auto` on the remote-store tier, on the same shared-document + multi-turn
+              workload (`auto_live.py`): mean latency, and auto's predicted vs measured TTFT from the
+              router's own log of each decision.
+
+`--json FILE` writes `results` {workload: {policy: score}}, `ttft_mdape` (the live one with `--live`, else the
+simulator's), `sim_ttft_mdape`, the plans each policy chose, and the live and paper-scale sections.
+`--explain N` prints N of auto's decisions on the mixed workload: plan, predicted TTFT and harm, runner-up,
+simulated TTFT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import orjson
+
+from loadgen.sim.auto.cluster import ClusterShape
+from loadgen.sim.auto.report import explain, format_comparison
+from loadgen.sim.auto.run import compare, gpu_profiles, simulate
+from loadgen.sim.auto.workloads import Scale, build
+from services.policy.auto import Decision
+
+PAPER_SCALE = Scale(
+    agents=96,
+    ampd_sessions=192,
+    ampd_rate=32,
+    pool_docs=96,
+    pool_questions=640,
+    pool_rate=12,
+    fanin_agents=128,
+)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("auto", help="--policy auto vs every fixed policy on five workloads (issue 13)")
+    p.add_argument("--json", default="", metavar="FILE", help="write the results as JSON")
+    p.add_argument(
+        "--explain",
+        type=int,
+        nargs="?",
+        const=12,
+        default=0,
+        metavar="N",
+        help="print N sample decisions of auto (default 12)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--paper-scale", action="store_true", help="also simulate 8 nodes and 4x the sessions")
+    p.add_argument("--live", action="store_true", help="also run real clusters (pool and remote tiers)")
+    p.add_argument("--live-requests", type=int, default=48, help="questions of the live run")
+    p.add_argument("--live-tiers", default="pool,remote", help="KV tiers of the live runs (pool, remote)")
+    p.set_defaults(func=_run)
+
+
+def _progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _run(args: argparse.Namespace) -> int:
+    profiles = gpu_profiles()
+    summary = compare(Scale(), ClusterShape(), profiles, seed=args.seed, progress=_progress)
+    out: dict[str, Any] = {
+        "results": summary["results"],
+        "plans": summary["plans"],
+        "sim_ttft_mdape": summary["ttft_mdape"],
+        "sim_ttft_mdape_by_workload": summary["ttft_mdape_by_workload"],
+        "ttft_mdape": summary["ttft_mdape"],
+        "ttft_mdape_source": "simulator",
+    }
+    print(format_comparison(summary, "simulated, 2 nodes (4 GPUs)"))
+    if args.paper_scale:
+        paper = compare(PAPER_SCALE, ClusterShape(nodes=8), profiles, seed=args.seed, progress=_progress)
+        out["paper_scale"] = {"results": paper["results"], "ttft_mdape": paper["ttft_mdape"]}
+        print(format_comparison(paper, "simulated at paper scale, 8 nodes (16 GPUs), 4x the sessions"))
+    if args.explain:
+        print(_explain(args.explain, args.seed))
+    if args.live:
+        from loadgen.bench.auto_live import LiveOptions, format_live, run_live
+
+        tiers = tuple(t for t in args.live_tiers.split(",") if t)
+        options = LiveOptions(questions=args.live_requests, seed=args.seed, tiers=tiers)
+        live = run_live(options, progress=_progress)
+        out["live"] = live
+        if live.get("ttft_mdape") is not None:
+            out["ttft_mdape"], out["ttft_mdape_source"] = live["ttft_mdape"], "live"
+        print(format_live(live))
+    if args.json:
+        with open(args.json, "wb") as f:
+            f.write(orjson.dumps(out, option=orjson.OPT_INDENT_2))
+    return 0
+
+
+def _explain(n: int, seed: int) -> str:
+    """`n` of auto's decisions on the mixed workload, spread over the run."""
+    explained: list[tuple[Decision, float]] = []
+    simulate(build("mix", Scale(), seed), "auto", ClusterShape(), gpu_profiles(), seed, "mix", explained)
+    step = max(1, len(explained) // n)
+    lines = [f"auto's decisions on the mix (every {step}th of {len(explained)}):"]
+    lines += [explain(d, ttft) for d, ttft in explained[::step][:n]]
+    return "\n".join(lines)

@@ -1,0 +1,211 @@
+"""A simulated cluster that offers every KV path, and the execution of one `Plan` on it (pure, seeded).
+
+Resources are FIFO servers with a busy-until time: each engine's compute (prefill; a prefill on an engine
+that decodes pauses its running decodes that long), each engine's data-plane link, each node's storage NIC,
+the shared pool. Tiers: storage keeps every finished turn's KV, the pool the most recently written up to its
+capacity, each decoding engine its sessions' KV in HBM up to its capacity (LRU), and the fan-in holder its
+pinned document. Times are the profiles' (`AutoProfiles.costs`) with seeded lognormal noise, so the policy's
+predictions are checked against a run that is not its own formula.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.policy.auto import AutoRequest, AutoSnapshot, EngineLoad, Plan, Source
+from services.policy.auto_costs import AutoProfiles, route_costs_s
+from services.policy.snapshot import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL
+
+PD = "pd"  # prefill and decode engines; decode engines may also prefill (AMPD's local path)
+COLOCATED = "colocated"  # every engine prefills and decodes
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterShape:
+    topology: str = PD
+    nodes: int = 2
+    engines_per_node: int = 2  # pd: one prefill and one decode engine per node
+    hbm_tokens: int = 600_000  # KV one engine keeps resident for sessions
+    pool_tokens: int = 1_500_000
+    noise: float = 0.1  # lognormal sigma on every service time
+
+
+@dataclass(slots=True)
+class Engine:
+    engine_id: str
+    role: str
+    node: int
+    free_at: float = 0.0
+    link_free_at: float = 0.0
+    queued: list[tuple[float, int]] = field(default_factory=list)  # (done at, new tokens)
+    decodes: dict[str, list[float]] = field(default_factory=dict)  # request -> [end, context tokens]
+    resident: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    pinned: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """What executing a plan started: the first token's time and the decode engine."""
+
+    first_token_s: float
+    decode_engine: str
+
+
+class SimCluster:
+    def __init__(self, shape: ClusterShape, profiles: AutoProfiles, seed: int, holder_key: str) -> None:
+        self.shape, self.p = shape, profiles
+        self.rng = np.random.default_rng([seed, 21])
+        self.engines = _engines(shape)
+        self.storage_free_at = dict.fromkeys(range(shape.nodes), 0.0)
+        self.storage_queue: dict[int, list[tuple[float, int]]] = {n: [] for n in range(shape.nodes)}
+        self.pool_free_at = 0.0
+        self.pool_queue: list[tuple[float, int]] = []
+        self.storage: dict[str, int] = {}
+        self.pool: OrderedDict[str, int] = OrderedDict()
+        self.holder_key = holder_key
+        self.holder = next(e for e in self.engines.values() if e.role != ROLE_PREFILL)
+
+    def pin(self, key: str, tokens: int) -> None:
+        """The holder keeps `key` resident (the fan-in document); storage keeps it too."""
+        self.holder.pinned[key] = tokens
+        self.storage[key] = tokens
+
+    # ------------------------------------------------------------------------------------ what a policy sees
+
+    def snapshot(self, now: float) -> AutoSnapshot:
+        loads = tuple(_load(e, now) for e in self.engines.values())
+        reads = {n: _pending(q, now) for n, q in self.storage_queue.items()}
+        local_ok = self.shape.topology == PD
+        return AutoSnapshot(loads, reads, _pending(self.pool_queue, now), local_on_decode=local_ok)
+
+    def request(self, rid: str, key: str, prompt: int, output: int, slo: float | None) -> AutoRequest:
+        resident = {}
+        for e in self.engines.values():
+            tokens = max(e.resident.get(key, 0), e.pinned.get(key, 0))
+            if tokens:
+                resident[e.engine_id] = min(prompt, tokens)
+        held = {self.holder.engine_id: self.holder.pinned[key]} if key in self.holder.pinned else {}
+        return AutoRequest(
+            rid,
+            prompt,
+            output,
+            min(prompt, self.storage.get(key, 0)),
+            min(prompt, self.pool.get(key, 0)),
+            resident,
+            held,
+            slo,
+        )
+
+    # ------------------------------------------------------------------------------------------ execution
+
+    def _t(self, seconds: float) -> float:
+        sigma = self.shape.noise
+        return seconds * float(np.exp(self.rng.normal(-sigma * sigma / 2, sigma))) if sigma > 0 else seconds
+
+    def _serve(self, free_at: float, now: float, seconds: float) -> float:
+        return max(free_at, now) + self._t(seconds)
+
+    def _ready(self, plan: Plan, req: AutoRequest, now: float) -> float:
+        """When the plan's hit KV is at its prefill engine."""
+        costs, tokens = self.p.costs, plan.hit_tokens
+        pe, de = self.engines[plan.prefill_engine], self.engines[plan.decode_engine]
+        if plan.source is Source.POOL:
+            self.pool_free_at = self._serve(self.pool_free_at, now, costs.kv_s(tokens, self.p.pool_link))
+            self.pool_queue.append((self.pool_free_at, tokens))
+            return self.pool_free_at
+        if plan.source in (Source.STORAGE, Source.STORAGE_DE):
+            node = pe.node if plan.source is Source.STORAGE else de.node
+            end = self._serve(self.storage_free_at[node], now, costs.kv_s(tokens, self.p.storage_link))
+            self.storage_free_at[node] = end
+            self.storage_queue[node].append((end, tokens))
+            return end if plan.source is Source.STORAGE else self._send(de, end, tokens)
+        if plan.source is Source.HBM and pe is not de:
+            return self._send(de, now, tokens)
+        return now
+
+    def _send(self, sender: Engine, now: float, tokens: int) -> float:
+        sender.link_free_at = self._serve(
+            sender.link_free_at, now, self.p.costs.kv_s(tokens, self.p.data_link)
+        )
+        return sender.link_free_at
+
+    def execute(self, plan: Plan, req: AutoRequest, now: float) -> Started:
+        pe, de = self.engines[plan.prefill_engine], self.engines[plan.decode_engine]
+        ready = self._ready(plan, req, now)
+        hit = 0 if plan.source is Source.ROUTE else plan.hit_tokens
+        miss = req.prompt_tokens - plan.hit_tokens
+        seconds = self.p.costs.prefill_s(hit, max(1, miss), pe.role)
+        route = route_costs_s(self.p, plan.hit_tokens, miss, req.output_tokens, 0.0)
+        first_route, later_route = route if plan.source is Source.ROUTE and route else (0.0, 0.0)
+        start = max(pe.free_at, ready)
+        pe.free_at = start + self._t(seconds) + first_route
+        pe.queued.append((pe.free_at, miss))
+        for d in pe.decodes.values():  # the batch pauses while this engine prefills
+            if d[0] > start:
+                d[0] += pe.free_at - start
+        first = pe.free_at if pe is de else self._send(pe, pe.free_at, req.prompt_tokens - _kept(plan))
+        batch = sum(1 for d in de.decodes.values() if d[0] > first)
+        context = sum(int(d[1]) for d in de.decodes.values() if d[0] > first)
+        step = self.p.costs.decode_step_s(batch + 1, context + req.prompt_tokens, de.role)
+        end = first + self._t(step * req.output_tokens) + later_route
+        de.decodes[req.request_id] = [end, float(req.prompt_tokens + req.output_tokens)]
+        return Started(first, de.engine_id)
+
+    def decode_end(self, rid: str, engine_id: str) -> float:
+        return self.engines[engine_id].decodes[rid][0]
+
+    def finish(self, rid: str, engine_id: str, key: str, stored: int) -> None:
+        """The turn is done: its KV is in storage, the pool and the decoding engine's HBM."""
+        e = self.engines[engine_id]
+        del e.decodes[rid]
+        self.storage[key] = max(self.storage.get(key, 0), stored)
+        _lru_put(self.pool, key, stored, self.shape.pool_tokens)
+        _lru_put(e.resident, key, stored, self.shape.hbm_tokens)
+
+
+def _kept(plan: Plan) -> int:
+    return plan.hit_tokens if plan.source is Source.HBM else 0
+
+
+def _lru_put(tier: OrderedDict[str, int], key: str, tokens: int, capacity: int) -> None:
+    tier.pop(key, None)
+    tier[key] = tokens
+    while sum(tier.values()) > capacity and len(tier) > 1:
+        tier.popitem(last=False)
+
+
+def _pending(queue: list[tuple[float, int]], now: float) -> int:
+    queue[:] = [q for q in queue if q[0] > now]
+    return sum(t for _, t in queue)
+
+
+def _load(e: Engine, now: float) -> EngineLoad:
+    """What the engine's load report says: its queue in tokens and in seconds (an engine knows when its queued
+    prefills end), its running decodes, its link's backlog."""
+    running = [d for d in e.decodes.values() if d[0] > now]
+    return EngineLoad(
+        e.engine_id,
+        e.role,
+        e.node,
+        _pending(e.queued, now),
+        max(0.0, e.free_at - now),
+        len(running),
+        int(sum(d[1] for d in running)),
+        max(0.0, e.link_free_at - now),
+    )
+
+
+def _engines(shape: ClusterShape) -> dict[str, Engine]:
+    out: dict[str, Engine] = {}
+    for node in range(shape.nodes):
+        for i in range(shape.engines_per_node):
+            if shape.topology == PD:
+                role = ROLE_PREFILL if i % 2 == 0 else ROLE_DECODE
+                name = f"{'pe' if role == ROLE_PREFILL else 'de'}{node}-{i // 2}"
+            else:
+                role, name = ROLE_COLOCATED, f"e{node}-{i}"
+            out[name] = Engine(name, role, node)
+    return out

@@ -1,0 +1,295 @@
+"""`--policy auto` on colocated engines: one cost model (`services/policy/auto.py`) picks each request's
+engine, and with it the path its hit KV takes; every decision is explained.
+
+What a colocated topology offers, and so what auto chooses among here: the prefix resident in an engine's own
+cache (`hbm:` / `dram:<engine>` in the index's answer; both count as the `hbm` source and are priced as free
+to reach, though a local DRAM cache is a memory copy away), the shared pool (`cxl:<pool>`, `--kv-tier pool`),
+storage read on the engine's node, or recomputing it. The engine, not the router, loads from the best tier it
+has, so the plan's source is auto's prediction of what the chosen engine will do (the cheaper source on an
+engine is always the one it takes). Routing to a holder stays with `--move-query` (`route_choice.py`), and the
+disaggregated paths (storage via the prefill or the decode node, AMPD's local prefill) are the simulator's
+(`loadgen/sim/auto`); this dispatch does not offer them.
+
+Queues: the router keeps a ledger of its own predictions (engine -> request -> predicted first-token time)
+and prices an engine's queue as the latest of those still open; running decodes and context from the load
+reports. What the model leaves out (dispatch, bus, first-token delivery) and how much slower than profiled the
+machine runs now are learned online from the measured TTFTs (`services/policy/auto_calibration.py`).
+Explained: `kvpath_router_plan_total{plan}`, an `auto_plan` span per request from dispatch to first
+token (plan, engine, predicted TTFT and harm, runner-up, measured TTFT) and
+`kvpath_router_plan_ttft_error_seconds`; a log line per request at debug level.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.policy.ampd_costs import STORAGE, CostModel, linear_cost_model
+from services.policy.auto import AUTO, AutoRequest, AutoSnapshot, Decision, EngineLoad, Source, plan
+from services.policy.auto_calibration import TtftCalibration
+from services.policy.auto_costs import POOL, AutoProfiles
+from services.policy.snapshot import EngineSnapshot
+from services.policy.thresholds import FALLBACK_PREFILL_TOKENS_PER_S
+from services.router import metrics
+from services.router.config import RouterConfig
+from services.router.dispatch import ColocatedDispatch, local_blocks
+from services.router.engines import ROLE_STORAGE, EngineTable
+from services.router.streams import StreamTable
+from shared import telemetry
+from shared.bus import Bus
+from shared.protocol import RequestPlan, TokenBatch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AUTO", "AutoDispatch", "PlanLedger", "build_auto_dispatch"]
+
+LIVE_SOURCES = frozenset({Source.HBM, Source.POOL, Source.STORAGE, Source.RECOMPUTE})
+OUTPUT_HORIZON = 256  # output tokens a decision looks ahead (max_tokens is only an upper bound)
+FALLBACK_LINK_BYTES_PER_S = 1e9
+
+
+@dataclass(slots=True)
+class _Open:
+    decision: Decision
+    dispatched_at: float
+    span: Any
+    raw_ttft_s: float  # the prediction before calibration
+
+
+@dataclass(slots=True)
+class PlanLedger:
+    """What this router sent each engine and has not seen finish: requests waiting for their first token
+    (with its predicted time) and requests decoding. Fresher than load reports for one router's own work."""
+
+    first_token_at: dict[str, dict[str, float]] = field(default_factory=dict)
+    decoding: dict[str, set[str]] = field(default_factory=dict)
+
+    def add(self, engine_id: str, request_id: str, at: float) -> None:
+        self.first_token_at.setdefault(engine_id, {})[request_id] = at
+
+    def started(self, engine_id: str, request_id: str) -> None:
+        """The first token came: the request decodes now."""
+        self.first_token_at.get(engine_id, {}).pop(request_id, None)
+        self.decoding.setdefault(engine_id, set()).add(request_id)
+
+    def drop(self, engine_id: str, request_id: str) -> None:
+        self.first_token_at.get(engine_id, {}).pop(request_id, None)
+        self.decoding.get(engine_id, set()).discard(request_id)
+
+    def busy_s(self, engine_id: str, now: float) -> float:
+        """How long the engine is busy with what this router sent it, by the router's own predictions."""
+        return max([at - now for at in self.first_token_at.get(engine_id, {}).values()] + [0.0])
+
+    def num_decoding(self, engine_id: str) -> int:
+        return len(self.decoding.get(engine_id, ()))
+
+
+class AutoDispatch(ColocatedDispatch):
+    def __init__(
+        self,
+        engines: EngineTable,
+        bus: Bus,
+        router_id: str,
+        ack_timeout_s: float,
+        *,
+        cost_profile: str = "",
+        kv_link: str = "shm",
+    ) -> None:
+        super().__init__(engines, bus, router_id, ack_timeout_s, policy=AUTO)
+        self.profiled = (
+            CostModel.from_dict(json.loads(Path(cost_profile).read_text())) if cost_profile else None
+        )
+        self.kv_link = kv_link
+        self.ledger = PlanLedger()
+        self.calibration = TtftCalibration()  # learned: overhead outside the model, the machine's speed now
+        self._picked: dict[str, Decision] = {}
+        self._open: dict[str, _Open] = {}
+        self._engine_of: dict[str, str] = {}  # request -> engine, until the request leaves the router
+
+    # ------------------------------------------------------------------------------------------ decide
+
+    def _pick(
+        self, engines: list[EngineSnapshot], plan_: RequestPlan, locality: Mapping[str, int]
+    ) -> str | None:
+        decision = plan(
+            self._request(engines, plan_, locality), self._snapshot(engines, locality), self.profiles()
+        )
+        if decision is None:
+            return None
+        self._picked[plan_.request_id] = decision
+        return decision.chosen.decode_engine
+
+    def _request(
+        self, engines: list[EngineSnapshot], p: RequestPlan, locality: Mapping[str, int]
+    ) -> AutoRequest:
+        bs = self._block_size()
+        stored = bs * min(p.kv.num_hit_blocks, locality.get("store", p.kv.num_hit_blocks))
+        pooled = bs * max((n for loc, n in locality.items() if loc.startswith("cxl:")), default=0)
+        resident = {e.engine_id: bs * local_blocks(locality, e.engine_id) for e in engines}
+        return AutoRequest(
+            p.request_id,
+            p.num_prompt_tokens,
+            min(p.sampling.max_tokens, OUTPUT_HORIZON),
+            min(stored, p.num_prompt_tokens),
+            min(pooled, p.num_prompt_tokens),
+            {k: min(v, p.num_prompt_tokens) for k, v in resident.items() if v},
+            {},
+            p.ttft_slo_s or None,
+        )
+
+    def _snapshot(self, engines: list[EngineSnapshot], locality: Mapping[str, int]) -> AutoSnapshot:
+        now = time.monotonic()
+        loads = []
+        for e in engines:
+            state = self.engines.get(e.engine_id)
+            reported = state.report.num_running if state is not None else 0
+            running = max(reported, self.ledger.num_decoding(e.engine_id))
+            busy = self.ledger.busy_s(e.engine_id, now)
+            loads.append(
+                EngineLoad(
+                    e.engine_id,
+                    e.role,
+                    e.node,
+                    0,
+                    busy,
+                    running,
+                    e.unfinished_tokens,
+                    is_draining=e.is_draining,
+                )
+            )
+        _, nodes = self.engines.cluster_snapshot(self._block_size())
+        reads = {n.node: n.read_queue_tokens for n in nodes if n.is_storage_alive}
+        has_pool = any(loc.startswith("cxl:") for loc in locality)
+        return AutoSnapshot(tuple(loads), reads, 0 if has_pool else None, LIVE_SOURCES)
+
+    def profiles(self) -> AutoProfiles:
+        costs = self.profiled or self._measured_costs()
+        pool_link = POOL if POOL in costs.links else self.kv_link  # the pool is read like host memory
+        cal = self.calibration
+        return AutoProfiles(
+            costs,
+            data_link=self.kv_link,
+            pool_link=pool_link,
+            overhead_s=cal.overhead_s,
+            time_scale=cal.scale,
+        )
+
+    def _measured_costs(self) -> CostModel:
+        """A linear model from the engines' measured rates, until a `kvpath profile` file is given."""
+        now = time.monotonic()
+        rates = [st.report.rates.get("prefill_tokens_per_s", 0.0) for st in self.engines.live(now)]
+        reads = [
+            st.report.rates.get("read_bandwidth_bytes_per_s", 0.0)
+            for st in self.engines.live(now, roles=(ROLE_STORAGE,))
+        ]
+        fmt = self.engines.kv_format
+        return linear_cost_model(
+            prefill_tokens_per_s=statistics.median(
+                [r for r in rates if r > 0] or [FALLBACK_PREFILL_TOKENS_PER_S]
+            ),
+            decode_step_s=0.0,
+            kv_bytes_per_token=fmt.bytes_per_token if fmt is not None else 1,
+            link_bytes_per_s={
+                self.kv_link: FALLBACK_LINK_BYTES_PER_S,
+                STORAGE: max([r for r in reads if r > 0] or [FALLBACK_LINK_BYTES_PER_S]),
+            },
+        )
+
+    def _block_size(self) -> int:
+        return self.engines.kv_format.block_size if self.engines.kv_format is not None else 1
+
+    # ----------------------------------------------------------------------------------------- explain
+
+    async def dispatch(
+        self, plan: RequestPlan, deadline: float, streams: StreamTable, locality: Mapping[str, int]
+    ) -> dict[str, float]:
+        started = time.monotonic()
+        try:
+            timings = await super().dispatch(plan, deadline, streams, locality)
+        finally:
+            decision = self._picked.pop(plan.request_id, None)
+        if decision is not None:
+            self._opened(plan.request_id, decision, started)
+        return timings
+
+    def _opened(self, request_id: str, decision: Decision, started: float) -> None:
+        chosen, runner = decision.chosen, decision.runner_up
+        metrics.PLANS.labels(chosen.label).inc()
+        cal = self.calibration
+        raw_s = max(0.0, chosen.ttft_s - cal.overhead_s) / cal.scale  # the profile's own prediction
+        self.ledger.add(chosen.decode_engine, request_id, started + cal.scale * raw_s)
+        self._engine_of[request_id] = chosen.decode_engine
+        attributes = {
+            "plan": chosen.label,
+            "engine_id": chosen.decode_engine,
+            "hit_tokens": chosen.hit_tokens,
+            "predicted_ttft_s": chosen.ttft_s,
+            "harm_s": chosen.harm_s,
+            "meets_slo": decision.meets_slo,
+            "num_plans": decision.num_plans,
+        }
+        if runner is not None:
+            attributes |= {
+                "runner_up": f"{runner.label}@{runner.decode_engine}",
+                "runner_up_ttft_s": runner.ttft_s,
+                "runner_up_cost_s": runner.cost_s,
+            }
+        span = telemetry.start_span("auto_plan", attributes=attributes)
+        self._open[request_id] = _Open(decision, started, span, raw_s)
+
+    def on_token_batch(self, batch: TokenBatch, now: float) -> None:
+        for delta in batch.deltas:
+            if delta.seq == 0 and delta.request_id in self._open:
+                self._closed(delta.request_id, now - self._open[delta.request_id].dispatched_at)
+
+    def release(self, request_id: str) -> None:
+        if request_id in self._open:
+            self._closed(request_id, None)
+        engine_id = self._engine_of.pop(request_id, None)
+        if engine_id is not None:
+            self.ledger.drop(engine_id, request_id)
+
+    def _closed(self, request_id: str, measured_s: float | None) -> None:
+        done = self._open.pop(request_id)
+        chosen = done.decision.chosen
+        if measured_s is None:
+            self.ledger.drop(chosen.decode_engine, request_id)
+            telemetry.end_span(done.span, error="no first token")
+            return
+        self.ledger.started(chosen.decode_engine, request_id)
+        metrics.PLAN_TTFT_ERROR.observe(abs(chosen.ttft_s - measured_s))
+        self.calibration.observe(done.raw_ttft_s, measured_s)
+        telemetry.end_span(done.span, attributes={"measured_ttft_s": measured_s})
+        log.debug(
+            "auto plan request_id=%s plan=%s engine=%s predicted_ttft_s=%.4f measured_ttft_s=%.4f",
+            request_id,
+            chosen.label,
+            chosen.decode_engine,
+            chosen.ttft_s,
+            measured_s,
+        )
+
+
+def build_auto_dispatch(config: RouterConfig, engines: EngineTable, bus: Bus, router_id: str) -> AutoDispatch:
+    """The dispatch of `--policy auto` (`services/router/core.build_dispatch`); with `--move-query`, held
+    prefixes are routed, fetched or recomputed after auto picked the engine, as for the colocated policies."""
+    timeout_s = config.task_ack_timeout_s
+    dispatch = AutoDispatch(
+        engines, bus, router_id, timeout_s, cost_profile=config.cost_profile, kv_link=config.kv_link
+    )
+    if config.move_query:
+        from services.router.route_choice import HeldRouting, load_profile
+
+        dispatch.held_routing = HeldRouting(
+            engines,
+            mode=config.move_query,
+            profile=load_profile(config.movequery_profile),
+            fabric=config.movequery_fabric,
+        )
+    return dispatch
