@@ -9,7 +9,6 @@ the cluster recovered (`kvpath up` restarts what was killed).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -56,7 +55,7 @@ class Ctx:
         return self.up.url
 
     def pid(self, child: str) -> int:
-        return int(supervisor_state(self.up)[child]["pid"])
+        return int(self.up.supervisor_state()[child]["pid"])
 
     def kill(self, child: str) -> float:
         os.kill(self.pid(child), signal.SIGKILL)
@@ -64,11 +63,6 @@ class Ctx:
 
 
 Case = Callable[[Ctx], Awaitable[Row]]
-
-
-def supervisor_state(up: UpProcess) -> dict[str, dict[str, int]]:
-    """pid, restarts and last exit code per child of `kvpath up` (its supervisor.json)."""
-    return dict(json.loads(Path(up.info["supervisor_file"]).read_text()))
 
 
 def block_files(root: Path) -> list[Path]:
@@ -221,7 +215,7 @@ async def garbage(ctx: Ctx) -> Row:
         ends = list(await asyncio.gather(*tasks))
     finally:
         await bus.close()
-    state = supervisor_state(ctx.up)
+    state = ctx.up.supervisor_state()
     restarts = sum(int(s.get("restarts", 0)) for s in state.values())
     row.streams = _count(ends)
     row.others_failed = sum(1 for e in ends if e.outcome != "ok")
@@ -233,7 +227,7 @@ async def garbage(ctx: Ctx) -> Row:
 
 def _subjects(bus: Bus, ctx: Ctx) -> list[str]:
     s = bus.subjects
-    names = list(supervisor_state(ctx.up))
+    names = list(ctx.up.supervisor_state())
     engines = [n for n in names if "engine" in n or n.startswith(("pe", "de"))]
     out = [s.task(n) for n in engines] + [s.transfer(n) for n in engines]
     out += [s.load("colocated", "x"), s.load_storage(0), s.tokens("router-0"), s.abort, s.index_match]

@@ -17,7 +17,6 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from loadgen.bench.fault_cases import supervisor_state
 from loadgen.bench.fault_client import complete
 from services.up.process import UpProcess
 
@@ -46,7 +45,7 @@ async def soak(work: Path, duration_s: float, clients: int) -> SoakResult:
     up = await asyncio.to_thread(_start, work)
     result = SoakResult(clients, duration_s)
     try:
-        pids = {name: int(s["pid"]) for name, s in supervisor_state(up).items()}
+        pids = {name: int(s["pid"]) for name, s in up.supervisor_state().items()}
         stop = time.monotonic() + duration_s
         counts = {"requests": 0, "failed": 0, "prompt": 0, "cached": 0}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:

@@ -70,6 +70,10 @@ class UpProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-8000:]
 
+    def supervisor_state(self) -> dict[str, dict[str, int]]:
+        """pid, restarts and last exit code per child, as the supervisor last wrote them (supervisor.json)."""
+        return dict(json.loads(Path(self.info["supervisor_file"]).read_text()))
+
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)

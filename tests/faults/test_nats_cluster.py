@@ -60,12 +60,12 @@ def test_losing_one_of_three_nats_servers_loses_nothing(tmp_path: Path) -> None:
     try:
         assert len(up.info["nats_url"].split(",")) == 3
         assert _hits_on_second_turn(up, salt=1)
-        state = json.loads(Path(up.info["supervisor_file"]).read_text())
+        state = up.supervisor_state()
         assert {"nats-0", "nats-1", "nats-2"} <= state.keys()
         os.kill(state["nats-1"]["pid"], signal.SIGKILL)
         assert _hits_on_second_turn(up, salt=2)  # served, persisted and indexed with one server down
         deadline = time.monotonic() + RECOVER_S
-        while json.loads(Path(up.info["supervisor_file"]).read_text())["nats-1"]["restarts"] != 1:
+        while up.supervisor_state()["nats-1"]["restarts"] != 1:
             assert time.monotonic() < deadline, "nats-1 was not restarted"
             time.sleep(0.2)
         assert _hits_on_second_turn(up, salt=1)  # the first prompt's blocks survived in the index

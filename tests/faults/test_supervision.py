@@ -20,10 +20,6 @@ pytestmark = pytest.mark.slow
 RECOVER_S = 90.0  # restart backoff + an engine's model load + reconnects, on a busy 2-core machine
 
 
-def _state(up: UpProcess) -> dict[str, dict[str, int]]:
-    return json.loads(Path(up.info["supervisor_file"]).read_text())
-
-
 def _serves(up: UpProcess) -> bool:
     body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}).encode()
     request = urllib.request.Request(
@@ -49,17 +45,17 @@ def test_a_killed_engine_and_a_killed_nats_server_are_restarted(tmp_path: Path) 
     up = UpProcess(tmp_path, "--kv-root", str(tmp_path / "kv"))
     try:
         assert _serves(up)
-        before = _state(up)
+        before = up.supervisor_state()
         assert before["engine0-n0"]["restarts"] == 0 and before["nats-server"]["restarts"] == 0
 
         os.kill(before["engine0-n0"]["pid"], signal.SIGKILL)
-        _wait("engine restarted", lambda: _state(up)["engine0-n0"]["restarts"] == 1)
-        after = _state(up)["engine0-n0"]
+        _wait("engine restarted", lambda: up.supervisor_state()["engine0-n0"]["restarts"] == 1)
+        after = up.supervisor_state()["engine0-n0"]
         assert after["pid"] != before["engine0-n0"]["pid"] and after["last_exit_code"] == -signal.SIGKILL
         _wait("serving after the engine's restart", lambda: _serves(up))
 
         os.kill(before["nats-server"]["pid"], signal.SIGKILL)
-        _wait("nats-server restarted", lambda: _state(up)["nats-server"]["restarts"] == 1)
+        _wait("nats-server restarted", lambda: up.supervisor_state()["nats-server"]["restarts"] == 1)
         _wait("serving after the bus came back", lambda: _serves(up))
         assert up.proc.poll() is None  # the cluster never stopped
     finally:
@@ -85,7 +81,7 @@ def test_streams_of_an_engine_restarted_under_its_id_end_with_an_error(tmp_path:
         async with aiohttp.ClientSession() as http:
             task = asyncio.ensure_future(stream(http, up.url, prompt(1, 100), 2000, started=started))
             await asyncio.wait_for(started.wait(), 60)
-            os.kill(_state(up)["engine0-n0"]["pid"], signal.SIGKILL)
+            os.kill(up.supervisor_state()["engine0-n0"]["pid"], signal.SIGKILL)
             killed = time.monotonic()
             end = await task
         return end.outcome, end.message, time.monotonic() - killed
