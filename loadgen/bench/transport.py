@@ -41,6 +41,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--window", type=int, default=4, help="writes in flight")
     parser.add_argument("--blocks-per-write", type=int, default=1, help="messages per write_many call")
     parser.add_argument("--backends", default="shm,tcp", help="backends to measure")
+    parser.add_argument(
+        "--spin-us",
+        type=float,
+        default=None,
+        help="TransportConfig.spin_us of both ends (default: its default)",
+    )
     parser.add_argument("--json", default="", help="also write the results to this file")
     parser.set_defaults(func=run_bench)
 
@@ -50,7 +56,7 @@ def run_bench(args: argparse.Namespace) -> int:
     backends = [b for b in args.backends.split(",") if b]
     region_bytes = max(sizes) * max(_SLOTS, args.blocks_per_write)
     child = subprocess.Popen(
-        [sys.executable, "-m", "loadgen.bench.transport", "--serve", str(region_bytes)],
+        [sys.executable, "-m", "loadgen.bench.transport", "--serve", str(region_bytes), str(args.spin_us)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -58,7 +64,14 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         results = asyncio.run(
             _measure_all(
-                child, region_bytes, sizes, backends, args.total_mib << 20, args.window, args.blocks_per_write
+                child,
+                region_bytes,
+                sizes,
+                backends,
+                args.total_mib << 20,
+                args.window,
+                args.blocks_per_write,
+                _config(args.spin_us),
             )
         )
     finally:
@@ -81,8 +94,9 @@ async def _measure_all(
     total: int,
     window: int,
     blocks: int,
+    config: TransportConfig,
 ) -> list[dict[str, Any]]:
-    sender = KvSender(TransportConfig(backends=["shm", "tcp"]), sender_id="bench")
+    sender = KvSender(config, sender_id="bench")
     try:
         hello = json.loads(_line(child))
         peers = {b: await sender.connect(hello["endpoint"], timeout_s=10, backend=b) for b in backends}
@@ -198,8 +212,15 @@ def _print_table(results: list[dict[str, Any]], backends: list[str]) -> None:
 # ---------------------------------------------------------------------------------- receiver process
 
 
-async def _serve(region_bytes: int) -> None:
-    receiver = KvReceiver(TransportConfig(backends=["shm", "tcp"]), receiver_id="bench-rx")
+def _config(spin_us: float | None) -> TransportConfig:
+    config = TransportConfig(backends=["shm", "tcp"])
+    if spin_us is not None:
+        config.spin_us = spin_us
+    return config
+
+
+async def _serve(region_bytes: int, spin_us: float | None) -> None:
+    receiver = KvReceiver(_config(spin_us), receiver_id="bench-rx")
     await receiver.start()
     receiver.register_region("buf", region_bytes)
     baseline = socket.create_server(("127.0.0.1", 0))
@@ -237,7 +258,8 @@ def _baseline_receive(listener: socket.socket, size: int, count: int) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
-        asyncio.run(_serve(int(sys.argv[2])))
+        spin = sys.argv[3] if len(sys.argv) > 3 else "None"
+        asyncio.run(_serve(int(sys.argv[2]), None if spin == "None" else float(spin)))
     else:
         main_parser = argparse.ArgumentParser(prog="python -m loadgen.bench.transport")
         register(main_parser.add_subparsers(dest="bench", required=True))

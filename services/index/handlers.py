@@ -10,13 +10,11 @@ from collections.abc import Callable
 
 from services.index import metrics
 from services.index.config import IndexConfig
-from services.index.index import BlockIndex
+from services.index.index import BlockIndex, as_keys
 from shared import telemetry
 from shared.bus import MsgContext
 from shared.errors import InvalidRequestError
 from shared.protocol.kv import IndexMatchReply, IndexMatchRequest, IndexStats, IndexStatsRequest
-
-_U64_MAX = (1 << 64) - 1
 
 
 class IndexHandlers:
@@ -47,9 +45,13 @@ class IndexHandlers:
             raise InvalidRequestError(
                 f"at most {limit} block hashes per match, got {len(hashes)}", param="block_hashes"
             )
-        if hashes and (min(hashes) < 0 or max(hashes) > _U64_MAX):
-            raise InvalidRequestError("block hashes are unsigned 64-bit integers", param="block_hashes")
-        out = self.index.match(hashes)
+        try:
+            keys = as_keys(hashes)  # checks the range too, in C (a min/max over the list cost ~15 us)
+        except (OverflowError, TypeError):
+            raise InvalidRequestError(
+                "block hashes are unsigned 64-bit integers", param="block_hashes"
+            ) from None
+        out = self.index.match(keys)
         return IndexMatchReply(
             num_hit_blocks=out.num_hit_blocks, per_tier=out.per_tier, per_location=out.per_location
         )

@@ -105,13 +105,17 @@ class U64Table:
         """
         if keys.size == 0 or self.num_live == 0:
             return np.zeros(0, dtype=np.uint64)
-        buckets = self._home_bucket(keys)
+        buckets = keys * _GOLDEN  # the home buckets, in place from here on (no temporaries)
+        buckets >>= self._bucket_shift
         match = self._key_rows.take(buckets, axis=0) == keys[:, None]
-        in_bucket = match.view(np.uint64).ravel() != 0  # any of the row's 8 bools
-        slots = (buckets.astype(np.int64) << _BUCKET_BITS) + match.argmax(axis=1)
+        hits = match.view(np.uint64).ravel()  # per key, one byte per slot of its bucket: 0 = not there
+        slots = buckets.astype(np.int64)
+        slots <<= _BUCKET_BITS
+        slots += match.argmax(axis=1)
         values = self.values.take(slots)
-        if in_bucket.all() and values.all():
+        if hits.all() and values.all():
             return values
+        in_bucket = hits != 0
         values[~in_bucket] = 0  # elsewhere, absent, or only a tombstone of it here: resolve below
         first = int(np.argmin(values != 0))
         if not in_bucket[first] and (self._state_rows[buckets[first]] == _EMPTY).any():

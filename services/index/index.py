@@ -44,6 +44,7 @@ class BlockIndex:
         self.table = U64Table(capacity)
         self.locations: list[str | None] = []  # bit -> location (None: free bit)
         self._bits: dict[str, int] = {}
+        self._tiers: dict[str, str] = {}  # location -> tier, cached (match is the hot path)
         self.sources: dict[str, tuple[int, int]] = {}  # source -> last applied (epoch, seq)
         self.applied_stream_seq = 0
         self.num_events_applied = 0
@@ -68,7 +69,7 @@ class BlockIndex:
         if last is not None and (event.epoch, event.seq) <= last:
             self.num_events_ignored += 1
             return False
-        keys = _as_keys(event.block_hashes) if isinstance(event, BlockStored | BlockRemoved) else None
+        keys = as_keys(event.block_hashes) if isinstance(event, BlockStored | BlockRemoved) else None
         self.sources[event.source] = (event.epoch, event.seq)  # only once the event is known to be usable
         self.num_events_applied += 1
         if isinstance(event, BlockStored) and keys is not None:
@@ -112,26 +113,40 @@ class BlockIndex:
     # ------------------------------------------------------------------------------------------ match
 
     def match(self, block_hashes: Sequence[int] | np.ndarray) -> MatchOutcome:
-        """Leading hits of a hash chain: in any location, per tier and per location (absent = 0)."""
-        masks = self.table.prefix_values(_as_keys(block_hashes))
+        """Leading hits of a hash chain: in any location, per tier and per location (absent = 0).
+
+        Cheapest with a uint64 array (`as_keys`): a list of ints is converted first (~8 us per 512)."""
+        masks = self.table.prefix_values(as_keys(block_hashes))
         if masks.size == 0:
             return MatchOutcome(0)
         num_hit = int(masks.size)
         outcome = MatchOutcome(num_hit)
         first = int(masks[0])
         everywhere = int(np.bitwise_and.reduce(masks))  # locations holding the whole prefix
+        if everywhere == first:  # the common case: whoever has the first block has them all
+            for bit, location in enumerate(self.locations):
+                if location is not None and first >> bit & 1:
+                    outcome.per_location[location] = num_hit
+                    outcome.per_tier[self._tier_of(location)] = num_hit
+            return outcome
         tier_masks: dict[str, int] = {}
         for bit, location in enumerate(self.locations):
             if location is None or not first >> bit & 1:
                 continue  # a location without the first block has no prefix
             full = everywhere >> bit & 1
             outcome.per_location[location] = num_hit if full else _prefix_len((masks >> np.uint64(bit)) & 1)
-            tier = location_tier(location)
+            tier = self._tier_of(location)
             tier_masks[tier] = tier_masks.get(tier, 0) | 1 << bit
         for tier, tier_mask in tier_masks.items():
             full = everywhere & tier_mask
             outcome.per_tier[tier] = num_hit if full else _prefix_len(masks & np.uint64(tier_mask))
         return outcome
+
+    def _tier_of(self, location: str) -> str:
+        tier = self._tiers.get(location)
+        if tier is None:
+            tier = self._tiers[location] = location_tier(location)
+        return tier
 
     # --------------------------------------------------------------------------------------- snapshot
 
@@ -163,7 +178,8 @@ class BlockIndex:
         return index
 
 
-def _as_keys(block_hashes: Sequence[int] | np.ndarray) -> np.ndarray:
+def as_keys(block_hashes: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Block hashes as a uint64 array (no copy for one); OverflowError for a negative or too large hash."""
     if isinstance(block_hashes, np.ndarray):
         return block_hashes if block_hashes.dtype == np.uint64 else block_hashes.astype(np.uint64)
     # array('Q') takes a list of Python ints ~25% faster than np.asarray; it raises OverflowError for

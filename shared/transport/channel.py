@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import logging
 import socket
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,7 +21,9 @@ from shared.protocol.codec import decode
 from shared.protocol.messages import ErrorReply
 from shared.transport.reader import MAX_IOV, FrameReader
 from shared.transport.sockio import send_buffers, skip_bytes, tune_socket
-from shared.transport.wire import RECEIVER_TYPES, U32_MAX, FrameType, Header, Limits, pack
+from shared.transport.spin import Spinner
+from shared.transport.timeouts import Deadline, DeadlineWatch, deadline
+from shared.transport.wire import HEADER_BYTES, RECEIVER_TYPES, U32_MAX, FrameType, Header, Limits, pack
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +33,13 @@ Reply = tuple[Header, bytes]
 class ControlChannel:
     def __init__(self, sock: socket.socket, *, name: str, limits: Limits, spin_s: float = 0.0) -> None:
         self.name = name
-        self._spin_s = spin_s
+        self.spinner = Spinner(spin_s)
         self._sock = sock
         self._loop = asyncio.get_running_loop()
         self._send_lock = asyncio.Lock()
         self._num_senders = 0  # ops holding or waiting for the send lock
         self._pending: dict[int, asyncio.Future[Reply]] = {}
+        self._deadlines = DeadlineWatch(self._loop, self._pending)
         self._seq = 0
         self._reader = FrameReader(self, limits, RECEIVER_TYPES)
         self._broken: TransportError | None = None
@@ -88,25 +90,39 @@ class ControlChannel:
         if self._broken is not None:
             raise self._broken
 
-    async def send(self, buffers: Sequence[memoryview | bytes]) -> None:
-        """Send one op's frames; a failure or cancellation midway breaks the channel (partial frame).
+    async def send(
+        self, buffers: Sequence[memoryview | bytes], nbytes: int = -1, when: Deadline | None = None
+    ) -> None:
+        """Send one op's frames (`nbytes` in all, -1: count them); a failure or cancellation midway breaks
+        the channel.
 
         Fast path: nobody else sending, one `sendmsg` of every buffer, no lock and no suspension. What
-        the kernel did not take goes out under the send lock, which is then free (no yield before it).
+        the kernel did not take goes out under the send lock (bounded by `when`, if given).
         """
-        self.check()
-        views = [memoryview(b) for b in buffers if len(b)]
-        if not self._num_senders and len(views) <= MAX_IOV:
+        if self._broken is not None:
+            raise self._broken
+        if nbytes < 0:
+            nbytes = sum(len(b) for b in buffers)
+        if not self._num_senders and len(buffers) <= MAX_IOV:
             try:
-                sent = self._sock.sendmsg(views)
+                sent = self._sock.sendmsg(buffers)
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError as exc:
                 self.break_(f"send failed: {exc}")
                 raise self._broken or TransportError(str(exc)) from None
-            if sent == sum(len(v) for v in views):
+            if sent == nbytes:
                 return
-            views = skip_bytes(views, sent)
+            views = skip_bytes([memoryview(b) for b in buffers if len(b)], sent)
+        else:
+            views = [memoryview(b) for b in buffers if len(b)]
+        if when is None:
+            await self._send_rest(views)
+            return
+        async with deadline(when.remaining_s(), when.what):
+            await self._send_rest(views)
+
+    async def _send_rest(self, views: list[memoryview]) -> None:
         self._num_senders += 1
         try:
             async with self._send_lock:
@@ -126,29 +142,37 @@ class ControlChannel:
         """Send a single frame with meta and wait for its reply (the caller bounds this)."""
         if header.meta_len != len(meta):
             header = dataclasses.replace(header, meta_len=len(meta))
-        return await self.call(header.seq, [pack(header), meta])
+        return await self.call(header.seq, [pack(header), meta], HEADER_BYTES + len(meta))
 
-    async def call(self, seq: int, buffers: Sequence[memoryview | bytes]) -> Reply:
-        """Send one op's frames (numbered `seq`) and wait for the reply (the caller bounds this).
+    async def call(
+        self, seq: int, buffers: Sequence[memoryview | bytes], nbytes: int, when: Deadline | None = None
+    ) -> Reply:
+        """Send one op's frames (numbered `seq`, `nbytes` in all) and wait for the reply, until `when`
+        (None: the caller bounds this).
 
         The reply to a small op comes back within tens of microseconds, well before the event loop would
-        wake this task for it, so the socket is polled for it first, for at most `spin_s` (bounded: the
-        loop is blocked that long at most, once per op); then the task sleeps as usual. Only with
-        one op in flight: with more, the others' replies keep the loop busy and spinning would stall them.
+        wake this task for it, so the socket may be polled for it first (`spin.Spinner`: bounded, adaptive;
+        only with one op in flight: with more, the others' replies keep the loop busy and spinning would
+        stall them). The deadline is one timer per channel (`DeadlineWatch`), not a timeout per call.
         """
         future = self.expect(seq)
         try:
-            await self.send(buffers)
-            if self._spin_s and len(self._pending) == 1 and not future.done():  # only the latency-bound case
+            await self.send(buffers, nbytes, when)
+            if not future.done() and len(self._pending) == 1 and self.spinner.budget_s:
                 self._spin_for(future)
+            if not future.done() and when is not None:
+                self._deadlines.watch(seq, when)
             return await future  # a done future returns at once, without a trip through the loop
         finally:
-            self.forget(seq)
+            self._pending.pop(seq, None)
+            self._deadlines.forget(seq)
 
     def _spin_for(self, future: asyncio.Future[Reply]) -> None:
-        end = time.perf_counter() + self._spin_s
-        while not future.done() and self._broken is None and time.perf_counter() < end:
+        def replied() -> bool:
             self._on_readable()
+            return future.done() or self._broken is not None
+
+        self.spinner.poll(replied)
 
     # ------------------------------------------------------------------ replies
     def _on_readable(self) -> None:
@@ -195,8 +219,10 @@ class ControlChannel:
             log.warning("kv sender: %s", self._broken.message)
         if self._sock.fileno() >= 0:
             self._loop.remove_reader(self._sock.fileno())
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
+        self._deadlines.stop()
+        pending = list(self._pending.values())
+        self._pending.clear()  # the same dict the deadline watch reads
+        for future in pending:
             if not future.done():
                 future.set_exception(self._broken)
 

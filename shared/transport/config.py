@@ -32,7 +32,9 @@ class TransportConfig:
     max_reply_backlog_bytes: int = doc(1 << 20, "unsent replies to a sender that stopped reading: then close")
     notice_join_timeout_s: float = doc(5.0, "RDMA: how long a notice waits for its write-with-immediate")
     spin_us: float = doc(
-        60.0, "busy-poll a control socket this long for an op's reply (sender) or the next frame (receiver)"
+        60.0,
+        "busy-poll a control socket up to this long for an op's reply (sender) or the next frame "
+        "(receiver), backing off while it does not pay (spin.py); 0: off",
     )
 
     def validate(self) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 from typing import Any, Protocol
 
 import numpy as np
@@ -22,6 +21,7 @@ from shared.protocol.transfer import RegionInfo, TransferHello, TransferWelcome
 from shared.transport.notices import Notice
 from shared.transport.reader import FrameReader
 from shared.transport.region import Region
+from shared.transport.spin import Spinner
 from shared.transport.wire import (
     SENDER_TYPES,
     Flag,
@@ -31,9 +31,11 @@ from shared.transport.wire import (
     Limits,
     extents_in_bounds,
     pack,
+    pack_fields,
 )
 
 log = logging.getLogger(__name__)
+_ACK = int(FrameType.ACK)
 _READ_BUDGET_BYTES = 8 << 20  # per readable callback, so one busy sender cannot starve the others
 
 
@@ -67,6 +69,7 @@ class ReceiverConnection:
         self._sock = sock
         self._loop = asyncio.get_running_loop()
         self._reader = FrameReader(self, core.limits, SENDER_TYPES)
+        self._spinner = Spinner(core.spin_s)
         self._out = bytearray()
         self._write_error: KvpathError | None = None
         self._write_region: Region | None = None
@@ -79,42 +82,48 @@ class ReceiverConnection:
 
     # ------------------------------------------------------------------ socket callbacks
     def _on_readable(self) -> None:
-        """Read and handle frames until the socket is dry. Then poll it for up to `spin_s` more: a sender
-        with one op in flight sends the next within microseconds of our reply, and catching it here skips
-        two wakeups through the event loop. One spin per callback, so other callbacks and tasks still run
-        (a notice's waiter among them)."""
+        """Read and handle frames until the socket is dry; then poll it briefly for the sender's next frame
+        (`spin.Spinner`: bounded, adaptive): a sender with one op in flight sends the next within
+        microseconds of our reply, and catching it here skips two wakeups through the event loop. One
+        poll per callback, so other callbacks and tasks still run (a notice's waiter among them)."""
+        if self._read_until_dry() >= 0 and self._spinner.budget_s:
+            self._spinner.poll(self._read_more)
+
+    def _read_more(self) -> bool:
+        """One spin step: True once whole frames arrived (handled, answered) or the spin must end; a frame
+        still arriving (a tcp payload in pieces) keeps the spin going rather than waking up for the rest."""
+        nbytes = self._read_until_dry()
+        return nbytes < 0 or (nbytes > 0 and self._reader.is_idle)
+
+    def _read_until_dry(self) -> int:
+        """Receive and handle frames until the socket is dry: the bytes read; -1 when the connection closed
+        or `_READ_BUDGET_BYTES` ran out first (the loop calls back for the rest)."""
         budget = _READ_BUDGET_BYTES
-        spin_until = 0.0
         while budget > 0 and not self.is_closed:
             try:
                 nbytes = self._sock.recvmsg_into(self._reader.buffers())[0]
             except (BlockingIOError, InterruptedError):
-                now = time.perf_counter()
-                if not spin_until:
-                    spin_until = now + self.core.spin_s
-                if now >= spin_until:
-                    return
-                continue
+                return _READ_BUDGET_BYTES - budget
             except OSError as exc:
                 self.close(f"receive failed: {exc}")
-                return
+                return -1
             if nbytes == 0:
                 clean = self._reader.is_idle
                 self.close("connection closed by peer" if clean else "connection lost mid-frame")
-                return
+                return -1
             budget -= nbytes
-            try:
-                self._reader.advance(nbytes)
-            except FrameError as exc:
-                log.error("kv receiver: malformed frame from %s peer=%s: %s", self.address, self.peer_id, exc)
-                self.close(f"malformed frame: {exc.message}")
-                return
-            except Exception as exc:
-                log.exception(
-                    "kv receiver: failed handling a frame from %s peer=%s", self.address, self.peer_id
-                )
-                self.close(f"internal error: {exc!r}")
-                return
+            self._advance(nbytes)
+        return -1
+
+    def _advance(self, nbytes: int) -> None:
+        try:
+            self._reader.advance(nbytes)
+        except FrameError as exc:
+            log.error("kv receiver: malformed frame from %s peer=%s: %s", self.address, self.peer_id, exc)
+            self.close(f"malformed frame: {exc.message}")
+        except Exception as exc:
+            log.exception("kv receiver: failed handling a frame from %s peer=%s", self.address, self.peer_id)
+            self.close(f"internal error: {exc!r}")
 
     def _on_writable(self) -> None:
         self._flush()
@@ -217,14 +226,16 @@ class ReceiverConnection:
     # ------------------------------------------------------------------ replies
     def _answer(self, seq: int, error: KvpathError | None) -> None:
         if error is None:
-            self._reply(Header(FrameType.ACK, seq=seq))
+            self._send_frame(pack_fields(_ACK, 0, seq, 0, 0, 0, 0, 0, 0))
         else:
             self._reply(Header(FrameType.ERROR, seq=seq), encode(ErrorReply.from_error(error)))
 
     def _reply(self, header: Header, meta: bytes = b"") -> None:
+        self._send_frame(pack(Header(header.type, seq=header.seq, meta_len=len(meta))) + meta)
+
+    def _send_frame(self, frame: bytes) -> None:
         if self.is_closed:
             return
-        frame = pack(Header(header.type, seq=header.seq, meta_len=len(meta))) + meta
         if not self._out:
             try:
                 sent = self._sock.send(frame)
@@ -233,9 +244,9 @@ class ReceiverConnection:
             except OSError as exc:
                 self.close(f"send failed: {exc}")
                 return
-            frame = frame[sent:]
-            if not frame:
+            if sent == len(frame):
                 return
+            frame = frame[sent:]
             self._loop.add_writer(self._sock.fileno(), self._on_writable)
         self._out += frame
         if len(self._out) > self.core.max_reply_backlog_bytes:

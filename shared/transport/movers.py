@@ -21,7 +21,8 @@ from shared.errors import TransportError
 from shared.protocol.transfer import RegionInfo
 from shared.shm import ShmSegment
 from shared.transport.channel import ControlChannel
-from shared.transport.wire import Flag, FrameType, pack_extents, pack_fields
+from shared.transport.timeouts import Deadline
+from shared.transport.wire import EXTENT_BYTES, HEADER_BYTES, Flag, FrameType, pack_extents, pack_fields
 
 _NOTICE, _NOTICE_IMM = int(Flag.NOTICE), int(Flag.NOTICE | Flag.IMM)  # enum arithmetic is slow per op
 
@@ -36,10 +37,13 @@ class WriteOp:
     nbytes: int
     tag: int | None  # None: no notice
     meta: bytes = b""
+    when: Deadline | None = None  # set by the Peer when the mover bounds its own waits
 
 
 class Mover(abc.ABC):
     kind: ClassVar[str]
+    # True: `put` bounds every wait by `op.when` itself; False: the Peer wraps it in an asyncio timeout
+    bounds_its_waits: ClassVar[bool] = False
 
     def __init__(self, channel: ControlChannel) -> None:
         self.channel = channel
@@ -65,11 +69,12 @@ class Mover(abc.ABC):
         frame = pack_fields(
             FrameType.NOTICE, flags, seq, op.region.region_id, op.tag, imm or 0, len(op.meta), 0, op.nbytes
         )
-        await self.channel.call(seq, [frame, op.meta])
+        await self.channel.call(seq, [frame, op.meta], HEADER_BYTES + len(op.meta), op.when)
 
 
 class TcpMover(Mover):
     kind = "tcp"
+    bounds_its_waits = True
 
     async def put(self, op: WriteOp) -> None:
         if not op.views and op.tag is not None:
@@ -90,11 +95,13 @@ class TcpMover(Mover):
             0,
         )
         table = pack_extents(op.offsets, [len(v) for v in op.views])
-        await channel.call(seq, [header, table, op.meta, *op.views])
+        nbytes = HEADER_BYTES + EXTENT_BYTES * len(op.views) + len(op.meta) + op.nbytes
+        await channel.call(seq, [header, table, op.meta, *op.views], nbytes, op.when)
 
 
 class ShmMover(Mover):
     kind = "shm"
+    bounds_its_waits = True
 
     def __init__(self, channel: ControlChannel) -> None:
         super().__init__(channel)

@@ -29,7 +29,7 @@ from shared.transport.notices import Notice, NoticeBoard, PeerTable
 from shared.transport.region import Region, check_region_name
 from shared.transport.segments import segment_prefix, sweep_stale_segments
 from shared.transport.sockio import tune_socket
-from shared.transport.timeouts import deadline
+from shared.transport.timeouts import Deadline, deadline, fail_at
 from shared.transport.wire import Limits, check_tag
 
 REJOIN_GRACE_S = 3.0  # a sender gone before a wait for its notice may come back (a restart) this long
@@ -235,15 +235,18 @@ class KvReceiver:
                 notice = self._board.take(region, tag)
                 if notice is not None:
                     return notice
+        loop = asyncio.get_running_loop()
+        when = Deadline(timeout_s, f"wait for notice {region!r}/{tag}", loop.time())
         future = self._board.add_waiter(region, tag, peer_id)
+        timer = fail_at(loop, future, when)  # a timer on the future: cheaper than a timeout on the task
         try:
-            async with deadline(timeout_s, f"wait for notice {region!r}/{tag}"):
-                return await asyncio.shield(future)
-        except BaseException:
+            return await future
+        except BaseException:  # cancelled after the notice was handed over: keep it for the next wait
             if future.done() and not future.cancelled() and future.exception() is None:
                 self._board.restore(future.result())
             raise
         finally:
+            timer.cancel()
             self._board.remove_waiter(region, tag, future)
 
     def poll(self, region: str, tag: int) -> Notice | None:

@@ -25,7 +25,7 @@ from shared.transport.config import TransportConfig
 from shared.transport.endpoint import LocalCaps, host_id, parse_endpoint, probe_shm, select_backend
 from shared.transport.movers import Mover, ShmMover, TcpMover, WriteOp
 from shared.transport.sockio import as_bytes_view
-from shared.transport.timeouts import deadline
+from shared.transport.timeouts import Deadline, deadline
 from shared.transport.wire import FrameType, Header, Limits, check_tag, pack
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class Peer:
         self._limits = limits
         self._regions: dict[str, RegionInfo] = {}
         self._lookup_lock = asyncio.Lock()
+        self._loop = asyncio.get_running_loop()
         self._closed = False
 
     @property
@@ -79,16 +80,25 @@ class Peer:
         timeout_s: float,
     ) -> None:
         """Scatter `(offset, data)` pieces into `region` in one op, one notice at the end (if `tag`)."""
-        async with deadline(timeout_s, f"write to {self.receiver_id}/{region}"):
-            info = await self._lookup(region)
-            op = self._make_op(info, extents, tag, meta)
-            try:
-                await self._mover.put(op)
-            except TransportError as exc:
-                if exc.param == "region":  # unregistered there: look it up again next time
-                    self._regions.pop(region, None)
-                    self._mover.forget_region(info.region_id)
-                raise
+        mover = self._mover
+        when = Deadline(timeout_s, f"write to {self.receiver_id}/{region}", self._loop.time())
+        info = self._regions.get(region)
+        if info is None or self._closed:
+            async with deadline(when.remaining_s(), when.what):
+                info = await self._lookup(region)
+        op = self._make_op(info, extents, tag, meta)
+        try:
+            if mover.bounds_its_waits:  # the hot path: no asyncio timeout, one timer per channel
+                op.when = when
+                await mover.put(op)
+            else:
+                async with deadline(when.remaining_s(), when.what):
+                    await mover.put(op)
+        except TransportError as exc:
+            if exc.param == "region":  # unregistered there: look it up again next time
+                self._regions.pop(region, None)
+                mover.forget_region(info.region_id)
+            raise
 
     async def notify(self, region: str, tag: int, meta: bytes = b"", *, timeout_s: float) -> None:
         """Post a notice with no bytes of its own (after earlier writes, whose bytes it then covers)."""
