@@ -22,6 +22,7 @@ from loadgen.sim.requests import SimRequest
 from loadgen.sim.scheduler import GlobalScheduler
 from loadgen.sim.traffic import TrafficCounters
 from loadgen.sim.workload import Workload
+from services.policy.load_table import LoadTable
 from services.policy.snapshot import ROLE_DECODE, ROLE_PREFILL, EngineSnapshot, NodeSnapshot, Placement
 from services.policy.thresholds import Thresholds, thresholds_from_rates
 from shared.errors import ConfigError
@@ -71,12 +72,17 @@ class ClusterBase:
         self._build_decode()
         self._check_fits(workload)
         self.traffic = TrafficCounters(self.kv_bytes_per_token)
-        self._snapshot_cache: dict[str, tuple[tuple[int, int, int], EngineSnapshot]] = {}
+        engines, nodes = self.snapshot_parts()
+        self._table = LoadTable.of(engines, nodes)
+        # engines and nodes whose loads changed since the last round (the table is updated from them)
+        self._changed_engines: dict[str, PrefillEngine | DecodeEngine] = {}
+        self._changed_nodes: dict[int, Node] = {}
+        self._thresholds: Thresholds | None = None
         self.scheduler = GlobalScheduler(
             self.loop,
             setup.config.policy,
             setup.config.fetch_period_s,
-            self.snapshot_parts,
+            self.load_table,
             self.thresholds,
             self._on_placed,
         )
@@ -159,31 +165,48 @@ class ClusterBase:
 
     # ------------------------------------------------------------------------------------ scheduler inputs
 
-    def snapshot_parts(
-        self, *, reuse: bool = True
-    ) -> tuple[tuple[EngineSnapshot, ...], tuple[NodeSnapshot, ...]]:
-        """What load reports would say now (with the router's notes: loads change at placement). Snapshots
-        of engines whose loads did not change since the last round are reused (they are immutable)."""
-        cache = self._snapshot_cache if reuse else {}
-        engines: list[EngineSnapshot] = []
-        for e in self.pes:
-            key = (e.num_unfinished, e.unfinished_tokens, 0)
-            hit = cache.get(e.engine_id)
-            if hit is None or hit[0] != key:
-                snap = EngineSnapshot(e.engine_id, ROLE_PREFILL, e.node, f"node{e.node}", key[0], key[1])
-                hit = cache[e.engine_id] = (key, snap)
-            engines.append(hit[1])
-        for d in self.des:
-            key = (d.num_unfinished, d.unfinished_tokens, d.free_kv_tokens)
-            hit = cache.get(d.engine_id)
-            if hit is None or hit[0] != key:
-                snap = EngineSnapshot(d.engine_id, ROLE_DECODE, d.node, f"node{d.node}", *key)
-                hit = cache[d.engine_id] = (key, snap)
-            engines.append(hit[1])
+    def snapshot_parts(self) -> tuple[tuple[EngineSnapshot, ...], tuple[NodeSnapshot, ...]]:
+        """What load reports would say now (with the router's notes: loads change at placement), built from
+        scratch as the live router builds it every round."""
+        engines = [self._engine_snapshot(e) for e in self.pes] + [self._engine_snapshot(d) for d in self.des]
         nodes = tuple(NodeSnapshot(n.node, n.read_queue_tokens) for n in self.nodes)
         return tuple(engines), nodes
 
+    def _engine_snapshot(self, e: PrefillEngine | DecodeEngine) -> EngineSnapshot:
+        if isinstance(e, DecodeEngine):
+            loads = (e.num_unfinished, e.unfinished_tokens, e.free_kv_tokens)
+            return EngineSnapshot(e.engine_id, ROLE_DECODE, e.node, f"node{e.node}", *loads)
+        return EngineSnapshot(
+            e.engine_id, ROLE_PREFILL, e.node, f"node{e.node}", e.num_unfinished, e.unfinished_tokens
+        )
+
+    def loads_changed(self, *engines: PrefillEngine | DecodeEngine, node: Node | None = None) -> None:
+        """Note engines (and a node) whose loads changed: the next round's table updates only those."""
+        for e in engines:
+            self._changed_engines[e.engine_id] = e
+        if node is not None:
+            self._changed_nodes[node.node] = node
+
+    def load_table(self) -> LoadTable:
+        """The table the scheduler reads: what `snapshot_parts` says, updated in place for what changed."""
+        table = self._table
+        for n in self._changed_nodes.values():
+            table.update_node(NodeSnapshot(n.node, n.read_queue_tokens))
+        for e in self._changed_engines.values():  # role, node and group never change in the simulator
+            free_kv_tokens = e.free_kv_tokens if isinstance(e, DecodeEngine) else 0
+            table.update_loads(e.engine_id, e.num_unfinished, e.unfinished_tokens, free_kv_tokens)
+        self._changed_nodes.clear()
+        self._changed_engines.clear()
+        return table
+
     def thresholds(self) -> Thresholds:
+        """alpha / beta from the nodes' read rates and the PEs' measured prefill rates (which change only when
+        a prefill step ends: `_on_step` drops the cached value)."""
+        if self._thresholds is None:
+            self._thresholds = self._fresh_thresholds()
+        return self._thresholds
+
+    def _fresh_thresholds(self) -> Thresholds:
         config = self.setup.config
         return thresholds_from_rates(
             self.read_rates,
@@ -206,6 +229,7 @@ class ClusterBase:
         raise NotImplementedError
 
     def _on_step(self, timing: StepTiming) -> None:
+        self._thresholds = None  # the group's PEs update their prefill rates as this step completes
         ratio = timing.attention_balance
         if ratio is not None and not math.isnan(ratio):
             self.attention_balance.append((self.loop.now, ratio))

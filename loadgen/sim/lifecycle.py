@@ -121,8 +121,10 @@ class ClusterSim(ClusterBase):
         request.read_tokens = placement.read_tokens if placement.read_side is not None else 0
         pe.assign(request)
         de.assign(request)
+        self.loads_changed(pe, de)
         if request.read_node >= 0:
             self.nodes[request.read_node].read_queue_tokens += request.read_tokens
+            self.loads_changed(node=self.nodes[request.read_node])
         request.de_buffer_bytes = request.prompt_tokens * self.kv_bytes_per_token
         if request.read_side is ReadSide.PE:
             request.pe_buffer_bytes = request.read_tokens * self.kv_bytes_per_token
@@ -161,6 +163,7 @@ class ClusterSim(ClusterBase):
         request.read_done_s = self.loop.now
         if request.read_node >= 0:
             self.nodes[request.read_node].read_queue_tokens -= request.read_tokens
+            self.loads_changed(node=self.nodes[request.read_node])
             self.scheduler.request_round()
         pe = self.pes[request.pe_index]
         pe.add_work(request)
@@ -169,6 +172,7 @@ class ClusterSim(ClusterBase):
     def _on_prefilled(self, request: SimRequest) -> None:
         request.first_token_s = self.loop.now
         self.pes[request.pe_index].release(request)
+        self.loads_changed(self.pes[request.pe_index])
         self.traffic.prefill(request)
         self._free_buffer(request.pe_node, request.pe_buffer_bytes)
         self.scheduler.request_round()
@@ -198,6 +202,7 @@ class ClusterSim(ClusterBase):
     def _release_decode(self, request: SimRequest) -> None:
         """The DE is done with the request: free its HBM and persist the blocks that filled."""
         self.des[request.de_index].release(request)
+        self.loads_changed(self.des[request.de_index])
         block = self.setup.config.block_size
         num_blocks = (request.prompt_tokens + request.gen_tokens) // block - request.hit_tokens // block
         num_bytes = num_blocks * block * self.kv_bytes_per_token

@@ -1,7 +1,8 @@
 """The global scheduler on the simulated clock: a FIFO of waiting requests and, on a change, one call of the
-round function the live router calls (`services/policy/round.py` `place_round`) over a snapshot of the
+round function the live router's `place_round` runs (`services/policy/round.py` `place_table_round`) over the
 engines' unfinished requests and tokens, free KV and node read queues, with `thresholds_from_rates` from the
-nodes' read rates and the PEs' measured prefill rates.
+nodes' read rates and the PEs' measured prefill rates. The loads are a `LoadTable` the cluster keeps up to
+date (only engines whose loads changed are rewritten), not a snapshot rebuilt per round.
 
 One simulator-only choice, which changes no decision: rounds are coalesced, at most one per `fetch_period_s`
 (the paper's engines fetch periodically; the live router runs one per arrival and per load report).
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 
 from loadgen.sim.events import PRIORITY_LATE, EventLoop
 from loadgen.sim.requests import SimRequest
-from services.policy.round import RoundState, place_round
-from services.policy.snapshot import EngineSnapshot, NodeSnapshot, PendingRequest, Placement
+from services.policy.load_table import LoadTable
+from services.policy.round import RoundState, place_table_round
+from services.policy.snapshot import PendingRequest, Placement
 from services.policy.thresholds import Thresholds
 from shared.errors import KvpathError
 
@@ -42,14 +44,14 @@ class GlobalScheduler:
         loop: EventLoop,
         policy: str,
         fetch_period_s: float,
-        snapshot_parts: Callable[[], tuple[tuple[EngineSnapshot, ...], tuple[NodeSnapshot, ...]]],
+        load_table: Callable[[], LoadTable],
         thresholds: Callable[[], Thresholds],
         on_placed: Callable[[SimRequest, Placement], None],
     ) -> None:
         self.loop = loop
         self.policy = policy
         self.fetch_period_s = fetch_period_s
-        self._snapshot_parts = snapshot_parts
+        self._load_table = load_table
         self._thresholds = thresholds
         self._on_placed = on_placed
         self.fifo: deque[SimRequest] = deque()
@@ -96,9 +98,9 @@ class GlobalScheduler:
     def decide(self) -> Sequence[Placement]:
         """One round's placements (a FIFO prefix), as the live router's dispatcher decides them."""
         thresholds = self._thresholds()
-        engines, nodes = self._snapshot_parts()
+        table = self._load_table()
         started = time.perf_counter()
-        result = place_round(self.policy, engines, nodes, self._pending, thresholds, self.state)
+        result = place_table_round(self.policy, table, self._pending, thresholds, self.state)
         self.cost.place_seconds += time.perf_counter() - started
         if result.missing_roles:
             raise KvpathError(f"simulated cluster has no {' or '.join(result.missing_roles)} engine")

@@ -91,7 +91,7 @@ def _fresh_snapshot_s(sim: ClusterSim, repeats: int = 20) -> float:
     """What building every engine's snapshot from scratch costs (the live router rebuilds it each round)."""
     started = time.perf_counter()
     for _ in range(repeats):
-        sim.snapshot_parts(reuse=False)
+        sim.snapshot_parts()
     return (time.perf_counter() - started) / repeats
 
 

@@ -1,8 +1,10 @@
 """Inter-engine placement (brief 5.2-5.4): which PE and DE serve a queued request, which side reads its KV.
 
 Pure code over a `ClusterSnapshot` (`services/policy/snapshot.py`); a round decides as many requests as
-can be placed now and returns them as a FIFO prefix of the queue. `services/policy/round.py` runs a round for
-the live router and the simulator alike. Three disaggregated policies share the rules:
+can be placed now and returns them as a FIFO prefix of the queue. This module is the rules as written and
+the reference: `services/policy/round.py` runs a round for the live router and the simulator alike with
+`table_placement.py`, the same rules over a `LoadTable` updated in place (tests check equal decisions).
+Three disaggregated policies share the rules:
 
 * `dualpath`: PE by alpha/beta categories and fewest tokens, DE by the two-level rule with threshold Z, read
   side = the shorter node read queue.

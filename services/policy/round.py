@@ -2,7 +2,10 @@
 
 Inputs are a snapshot of the engines and nodes, the FIFO of waiting requests (head first), the thresholds and
 the state carried from the previous round; the output is the placements (a FIFO prefix of the queue), the
-state for the next round, and why nothing was placed when nothing could be. Pure: no clock, no I/O.
+state for the next round, and why nothing was placed when nothing could be. Pure: no clock, no I/O. The
+live router passes snapshots (`place_round`); the simulator keeps a `LoadTable` up to date between rounds
+and passes it (`place_table_round`), so a round costs what it places, not what the cluster holds. Both run
+the policies of `table_placement.py`, which decide what `placement.py`'s reference rules decide.
 
 Three things beyond `placement.place`, none of which changes a decision:
 * Missing roles: with no live prefill or decode engine nothing can be placed; the result says which role is
@@ -24,11 +27,10 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from itertools import islice
 
-from services.policy.placement import place, select_prefill_engines
+from services.policy.load_table import LoadTable
 from services.policy.snapshot import (
     ROLE_DECODE,
     ROLE_PREFILL,
-    ClusterSnapshot,
     EngineSnapshot,
     NodeSnapshot,
     PendingRequest,
@@ -36,7 +38,9 @@ from services.policy.snapshot import (
     ReadSide,
     RoundRobinState,
 )
+from services.policy.table_placement import place_window
 from services.policy.thresholds import Thresholds
+from shared.errors import KvpathError
 
 MIN_WINDOW = 64
 
@@ -70,63 +74,68 @@ def place_round(
     *,
     force_read_side: str = "",
 ) -> RoundResult:
+    """One round of a disaggregated `policy` over snapshots (the live router: a fresh table per round)."""
+    table = LoadTable.of(engines, nodes)
+    return place_table_round(policy, table, queue, thresholds, state, force_read_side=force_read_side)
+
+
+def place_table_round(
+    policy: str,
+    table: LoadTable,
+    queue: Collection[PendingRequest],
+    thresholds: Thresholds,
+    state: RoundState,
+    *,
+    force_read_side: str = "",
+) -> RoundResult:
     """One round of a disaggregated `policy` (one of `placement.POLICIES`) over `queue` (head first).
 
     `force_read_side` ("pe" | "de", experiments): read on that side whenever its node's storage is alive.
     """
-    missing = _missing_roles(engines)
+    missing = _missing_roles(table)
     if missing:
         return RoundResult((), state, missing_roles=missing)
     head = next(iter(queue), None)
     if head is None:
         return RoundResult((), state)
-    if not _can_place(head, engines, thresholds):
+    if not _can_place(head, table, thresholds):
         return RoundResult((), state, is_skipped=True)
     window = state.window
     while True:
-        snapshot = ClusterSnapshot(engines=engines, nodes=nodes, queue=tuple(islice(queue, window)))
-        is_partial = len(snapshot.queue) < len(queue)
-        if is_partial and policy != "dualpath-rr" and _pe_stage_fills(policy, snapshot, thresholds):
-            window *= 2
-            continue
-        result = place(policy, snapshot, thresholds, state.rr)
-        if is_partial and policy == "dualpath-rr" and len(result.placements) == len(snapshot.queue):
-            window *= 2
-            continue
-        break
+        requests = tuple(islice(queue, window))
+        _require_unique(requests)
+        is_partial = len(requests) < len(queue)
+        result = place_window(policy, table, requests, thresholds, state.rr, is_partial=is_partial)
+        if result is not None:
+            break
+        window *= 2
     placements = result.placements
     if force_read_side:
-        placements = tuple(_forced(p, snapshot, ReadSide(force_read_side)) for p in placements)
+        placements = tuple(_forced(p, table, ReadSide(force_read_side)) for p in placements)
     next_window = max(MIN_WINDOW, 2 * len(placements), window // 2)
     return RoundResult(placements, RoundState(result.rr_state, next_window))
 
 
-def _missing_roles(engines: tuple[EngineSnapshot, ...]) -> tuple[str, ...]:
-    roles = {e.role for e in engines if not e.is_draining}
-    return tuple(role for role in (ROLE_PREFILL, ROLE_DECODE) if role not in roles)
+def _missing_roles(table: LoadTable) -> tuple[str, ...]:
+    return tuple(role for role in (ROLE_PREFILL, ROLE_DECODE) if not table.has_live(role))
 
 
-def _can_place(head: PendingRequest, engines: tuple[EngineSnapshot, ...], thresholds: Thresholds) -> bool:
+def _can_place(head: PendingRequest, table: LoadTable, thresholds: Thresholds) -> bool:
     """False only when no policy could place the FIFO head now: no PE under beta, or no DE with room."""
-    beta = thresholds.beta_tokens
-    live = [e for e in engines if not e.is_draining]
-    return any(e.role == ROLE_PREFILL and e.unfinished_tokens <= beta for e in live) and any(
-        e.role == ROLE_DECODE and e.free_kv_tokens >= head.hbm_need_tokens for e in live
-    )
+    return table.has_prefill_at_most(thresholds.beta_tokens) and table.has_decode_room(head.hbm_need_tokens)
 
 
-def _pe_stage_fills(policy: str, snapshot: ClusterSnapshot, thresholds: Thresholds) -> bool:
-    """Whether the PE stage gave every request of the window a PE (then a bigger window may place more)."""
-    pe_ids = select_prefill_engines(snapshot, thresholds, use_read_queue_categories=policy == "dualpath")
-    return len(pe_ids) >= len(snapshot.queue)
+def _require_unique(requests: tuple[PendingRequest, ...]) -> None:
+    if len({r.request_id for r in requests}) != len(requests):
+        raise KvpathError("inconsistent scheduling snapshot: duplicate request ids in the queue")
 
 
-def _forced(placement: Placement, snapshot: ClusterSnapshot, side: ReadSide) -> Placement:
+def _forced(placement: Placement, table: LoadTable, side: ReadSide) -> Placement:
     """`placement` reading on `side` instead, when it reads at all and that side's storage is alive."""
     if placement.read_side is None or placement.read_side is side:
         return placement
     engine_id = placement.pe_id if side is ReadSide.PE else placement.de_id
-    node = next(e.node for e in snapshot.engines if e.engine_id == engine_id)
-    if not any(n.node == node and n.is_storage_alive for n in snapshot.nodes):
+    node = table.nodes[table.row_of[engine_id]]
+    if not table.is_storage_alive[node]:
         return placement
     return dataclasses.replace(placement, read_side=side, read_node=node)

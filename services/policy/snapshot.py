@@ -21,6 +21,7 @@ ROLE_PREFILL = "prefill"
 ROLE_DECODE = "decode"
 ENGINE_ROLES = (ROLE_COLOCATED, ROLE_PREFILL, ROLE_DECODE)
 
+
 class ReadSide(StrEnum):
     """Where a request's hit KV is read from storage: the PE's node (PE path) or the DE's node (DE path)."""
 

@@ -19,6 +19,7 @@ Z_FACTOR = 1.05  # paper 6.1: DE high-token threshold multiplier
 # this machine prefill a few thousand tokens/s); measured rates replace it on the first report.
 FALLBACK_PREFILL_TOKENS_PER_S = 2000.0
 
+
 @dataclass(frozen=True, slots=True)
 class Thresholds:
     """alpha: a node read queue at or below it is "short"; beta: a PE above it gets nothing (tokens both)."""

@@ -22,7 +22,8 @@ from services.policy.thresholds import Thresholds
 
 
 def test_the_simulator_imports_the_live_policies() -> None:
-    assert loadgen.sim.scheduler.place_round is services.policy.round.place_round
+    # the router's `place_round` builds a `LoadTable` from its snapshots and runs this very function
+    assert loadgen.sim.scheduler.place_table_round is services.policy.round.place_table_round
     assert loadgen.sim.prefill.plan_prefill_batch is services.policy.batching.plan_prefill_batch
 
 
@@ -40,6 +41,9 @@ def test_windowed_round_equals_place_over_the_whole_queue(policy: str) -> None:
     thresholds = dataclasses.replace(sim.thresholds(), beta_tokens=beta)
     assert isinstance(thresholds, Thresholds)
     engines, nodes = sim.snapshot_parts()
+    # the table the scheduler reads, updated only where loads changed, says what fresh snapshots say
+    table = sim.load_table()
+    assert set(table.engines()) == set(engines) and set(table.node_snapshots()) == set(nodes)
     queue = tuple(r.pending for r in scheduler.fifo)
     rr_state = scheduler.state.rr
     expected = place(policy, ClusterSnapshot(engines, nodes, queue), thresholds, rr_state)

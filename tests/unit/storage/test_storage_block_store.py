@@ -129,3 +129,41 @@ def test_a_full_file_system_is_reported_as_storage_full(small_fs: Path) -> None:
         for h in range(2, 10):
             store.write(FP, h, 0, big.data)
     assert not [p for p in small_fs.rglob("*.tmp-*")]  # no temp file left behind
+
+
+def test_a_run_reads_blocks_side_by_side_and_stops_after_the_first_bad_one(tmp_path: Path) -> None:
+    store = _store(tmp_path, "none")
+    payloads = [(PAYLOAD + i).astype(np.uint8) for i in range(4)]
+    for i, payload in enumerate(payloads):
+        store.write(FP, 100 + i, 0, payload.data)
+    dest = np.zeros(4 * PAYLOAD.nbytes, np.uint8)
+    assert store.read_run_into(FP, [100, 101, 102, 103], dest.data) == [ReadOutcome.OK] * 4
+    assert np.array_equal(dest, np.concatenate(payloads))
+    _damage(store.path_for(FP, 102), "payload_bit")
+    dest[:] = 0
+    outcomes = store.read_run_into(FP, [100, 101, 102, 103], dest.data)
+    assert outcomes == [ReadOutcome.OK, ReadOutcome.OK, ReadOutcome.CORRUPT]
+    assert np.array_equal(dest[: 2 * PAYLOAD.nbytes], np.concatenate(payloads[:2]))
+    assert not store.path_for(FP, 102).exists() and store.path_for(FP, 103).exists()
+    assert not dest[3 * PAYLOAD.nbytes :].any()  # nothing read past the bad block
+
+
+@pytest.mark.parametrize("how", ["", "payload_bit_late", "truncated", "trailing"])
+def test_a_large_block_is_verified_to_its_last_byte(tmp_path: Path, how: str) -> None:
+    store = _store(tmp_path, "none")
+    payload = np.random.default_rng(1).integers(0, 256, 600_000, dtype=np.uint8)
+    store.write(FP, 5, 0, payload.data)
+    path = store.path_for(FP, 5)
+    data = bytearray(path.read_bytes())
+    if how == "payload_bit_late":
+        data[-10] ^= 0x04
+    elif how == "truncated":
+        data = data[: HEADER_BYTES + 300_007]
+    elif how == "trailing":
+        data += b"x"
+    path.write_bytes(bytes(data))
+    dest = np.zeros(payload.nbytes, np.uint8)
+    outcome = store.read_into(FP, 5, dest.data)
+    assert outcome is (ReadOutcome.CORRUPT if how else ReadOutcome.OK)
+    if not how:
+        assert np.array_equal(dest, payload)
