@@ -5,9 +5,12 @@ files it wrote (its share of the root); see `service.py` for how eviction consul
 
 Eviction takes chain tails first: a block is a candidate only while no block of its chain that follows it is
 kept (its children count is 0, as in vLLM's free queue), so a prompt's cached prefix shrinks from its end and
-never loses a middle block that would make everything after it unreachable. Blocks being written are pinned:
-never evicted before their write settles (the writer owns them until then). Parents are known for blocks
-written since the service started; files found by the startup scan have none and age by their mtime.
+never loses a middle block that would make everything after it unreachable. Pins keep a block from eviction,
+counted (one per holder): a block being written is pinned until its write settles (the writer owns it until
+then), and every block of a write request until the request's BlockStored event is in the stream (evicting
+it before would publish its BlockRemoved first, and the index would keep a block that is gone); every pin is
+matched by one unpin, also across a removal of the entry. Parents are known for blocks written since the
+service started; files found by the startup scan have none and age by their mtime.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class LruCatalog:
     used_bytes: int = 0
     _entries: OrderedDict[BlockKey, LruEntry] = field(default_factory=OrderedDict)  # LRU first
     _orphans: dict[BlockKey, int] = field(default_factory=dict)  # absent parent -> entries waiting for it
-    _pinned: set[BlockKey] = field(default_factory=set)
+    _pinned: dict[BlockKey, int] = field(default_factory=dict)  # key -> holders of a pin
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -71,16 +74,19 @@ class LruCatalog:
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
-        self._pinned.discard(key)
-        self._forget(key, entry)
+        self._forget(key, entry)  # its pins stay with their holders, who unpin them
         return True
 
     def pin(self, key: BlockKey) -> None:
-        """Keep `key` out of eviction (a write in flight) until `unpin`."""
-        self._pinned.add(key)
+        """Keep `key` out of eviction until the matching `unpin` (pins are counted, one per holder)."""
+        self._pinned[key] = self._pinned.get(key, 0) + 1
 
     def unpin(self, key: BlockKey) -> None:
-        self._pinned.discard(key)
+        left = self._pinned.get(key, 0) - 1
+        if left > 0:
+            self._pinned[key] = left
+        else:
+            self._pinned.pop(key, None)
 
     def fits(self, file_bytes: int) -> bool:
         """Whether `file_bytes` more fit without evicting."""

@@ -158,16 +158,46 @@ class BlockWriter:
                 await asyncio.wait([other])
         now = time.time()
         new = [i for i in reversed(range(len(keys))) if not self.catalog.touch(keys[i], now)][::-1]
-        file_bytes = HEADER_BYTES + req.block_bytes
-        parents = [req.parent_hashes[i] for i in new]
-        reserved = await self._reserve([keys[i] for i in new], parents, file_bytes)
-        missing = len(new) - len(reserved)
+        # the blocks this request will announce stay pinned until their BlockStored is in the stream: an
+        # eviction before would publish their BlockRemoved first (the index then keeps a removed block)
+        is_new = set(new)
+        announced = [key for i, key in enumerate(keys) if i not in is_new]
+        self._pin(announced)
+        try:
+            file_bytes = HEADER_BYTES + req.block_bytes
+            reserved = await self._reserve(
+                [keys[i] for i in new], [req.parent_hashes[i] for i in new], file_bytes
+            )
+            self._pin(reserved)  # besides the write's own pin, which its outcome settles
+            announced += reserved
+            return await self._write_reserved(req, keys, new, len(reserved), source, file_bytes)
+        finally:
+            for key in announced:
+                self.catalog.unpin(key)
+
+    def _pin(self, keys: list[BlockKey]) -> None:
+        for key in keys:
+            self.catalog.pin(key)
+
+    async def _write_reserved(
+        self,
+        req: StorageWriteRequest,
+        keys: list[BlockKey],
+        new: list[int],
+        num_reserved: int,
+        source: np.ndarray,
+        file_bytes: int,
+    ) -> StorageWriteReply:
+        """Write the reserved new blocks (the first `num_reserved` of `new`; the rest found no room), then
+        announce every durable block of the request."""
+        reserved = new[:num_reserved]
+        missing = len(new) - num_reserved
         full = StorageFullError(f"storage full: no room for {missing} blocks of {file_bytes} B")
         results: list[bool | BaseException] = [False] * len(keys)
-        for i in new[len(reserved) :]:
+        for i in new[num_reserved:]:
             results[i] = full
         written = await asyncio.gather(
-            *(self._persist(keys[i], req, i, source, file_bytes) for i in new[: len(reserved)]),
+            *(self._persist(keys[i], req, i, source, file_bytes) for i in reserved),
             return_exceptions=True,
         )
         for i, outcome in zip(new, written, strict=False):
