@@ -13,9 +13,12 @@ Times are the median of `--repeats` after one warm-up. The cost model (`services
 calibrated on them (least squares, weighted by 1/T: probe + bytes/BW + attention per row x key per fabric,
 fixed + bytes/BW for fetch, c per token x layer for local), predictions printed next to measurements, the
 model's MAPE for M_q >= 64 rows and the crossovers printed; `--calibrate FILE` writes the profile the router
-reads (`--movequery-profile`). `--fanin` adds the agentic fan-in on real processes (movequery_fanin.py).
+reads (`--movequery-profile`). `--fanin` adds the agentic fan-in on real processes (movequery_fanin.py),
+once per requester cache size of `--fanin-kv-blocks` (0: the default cache; small: memory-bound);
+`--profile FILE` skips the microbenchmark and prices auto with a profile measured before.
 `--json FILE` carries `model_mape`, `merge_max_rel_err` and `fanin` (rows of {n, primitive, ttft_p50_s,
-decode_tok_s, kv_bytes}; empty without `--fanin`).
+decode_tok_s, kv_bytes, peak_concurrent, makespan_s, kv_blocks}; empty without `--fanin`); `--png FILE`
+plots measured against predicted times and the fan-in's TTFT per primitive against N (movequery_plot.py).
 """
 
 from __future__ import annotations
@@ -66,10 +69,46 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--answer-tokens", type=int, default=16, help="fan-in: tokens each sub-agent generates"
     )
+    parser.add_argument(
+        "--fanin-kv-blocks",
+        default="0",
+        help="fan-in: requester cache sizes in blocks to run, comma-separated (0: the default cache; "
+        "small: memory-bound, only a few document copies fit)",
+    )
+    parser.add_argument("--png", default="", help="plot: measured vs model, fan-in TTFT vs N (empty: none)")
+    parser.add_argument(
+        "--profile", default="", help="skip the microbenchmark; auto prices with this calibrated profile"
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.profile:  # the fan-in alone, priced with a profile measured before
+        report: dict[str, Any] = {"model": args.model, "model_mape": None, "merge_max_rel_err": None}
+        report["fanin"] = _fanin(args, args.profile) if args.fanin else []
+        return _write(args, report)
+    report = _microbenchmark(args)
+    with tempfile.TemporaryDirectory(prefix="kvpath-mq-") as tmp:
+        profile_path = args.calibrate or os.path.join(tmp, "profile.json")
+        with open(profile_path, "w") as f:
+            json.dump(report["profile"] | {"model": args.model, "measured_at": time.time()}, f, indent=2)
+        if args.fanin:
+            report["fanin"] = _fanin(args, profile_path)
+    return _write(args, report)
+
+
+def _write(args: argparse.Namespace, report: dict[str, Any]) -> int:
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.png:
+        from loadgen.bench.movequery_plot import plot
+
+        plot(report, args.png)
+    return 0
+
+
+def _microbenchmark(args: argparse.Namespace) -> dict[str, Any]:
     from gpu.movequery_timing import bench_shape, local_prefill_s, merge_max_rel_err
     from gpu.runner import ModelRunner
 
@@ -92,30 +131,24 @@ def run(args: argparse.Namespace) -> int:
     report = build_report(profile, measured, backends, merge_max_rel_err())
     report["model"] = args.model
     print(format_report(report))
-    with tempfile.TemporaryDirectory(prefix="kvpath-mq-") as tmp:
-        profile_path = args.calibrate or os.path.join(tmp, "profile.json")
-        with open(profile_path, "w") as f:
-            json.dump(profile_to_dict(profile, model=args.model, measured_at=time.time()), f, indent=2)
-        if args.fanin:
-            report["fanin"] = _fanin(args, profile_path)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(report, f, indent=2)
-    return 0
+    return report
 
 
 def _fanin(args: argparse.Namespace, profile_path: str) -> list[dict[str, Any]]:
     from loadgen.bench.movequery_fanin import format_fanin, run_fanin
 
-    opts = {
-        "primitives": [p for p in args.fanin_primitives.split(",") if p],
-        "ns": [int(n) for n in args.fanin_ns.split(",") if n],
-        "engines": args.fanin_engines,
-        "doc_tokens": args.doc_tokens,
-        "max_tokens": args.answer_tokens,
-        "profile": profile_path,  # auto prices with the constants measured above
-    }
-    rows = run_fanin(opts)
+    rows = []
+    for kv_blocks in [int(b) for b in args.fanin_kv_blocks.split(",") if b]:
+        opts = {
+            "primitives": [p for p in args.fanin_primitives.split(",") if p],
+            "ns": [int(n) for n in args.fanin_ns.split(",") if n],
+            "engines": args.fanin_engines,
+            "doc_tokens": args.doc_tokens,
+            "max_tokens": args.answer_tokens,
+            "kv_blocks": kv_blocks,
+            "profile": profile_path,  # auto prices with the constants measured above
+        }
+        rows += run_fanin(opts)
     print(format_fanin(rows))
     return rows
 

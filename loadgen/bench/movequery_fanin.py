@@ -7,7 +7,14 @@ on engine-0 alone (it pins it and the store keeps it); then, for each N, N sub-a
 own suffix of 64-512 tokens) stream at once. Per row: TTFT p50, decode tokens/s (median over the sub-agents
 of each one's tokens after its first over the time they took) and the KV bytes the
 sub-agents keep resident on the requesters (document + suffix + output per fetched or recomputed request,
-suffix + output per routed one: the router's choices counted from its metrics).
+suffix + output per routed one: the router's choices counted from its metrics), and how many sub-agents
+were served at once (`peak_concurrent`: most streams between their first and last token at one time) and
+how long the whole fan-in took (`makespan_s`).
+
+Memory-bound (`kv_blocks` > 0): each requester's cache is `kv_blocks` blocks (`--num-kv-blocks`), so it can
+keep only a few private copies of the document (fetch, local) while routed sub-agents keep only their own
+tokens; the holder's cache is the document plus a few blocks (it serves routes, not sub-agents), the same
+for every primitive.
 """
 
 from __future__ import annotations
@@ -30,12 +37,17 @@ from shared.protocol import ServiceInfo
 
 BLOCK = 64
 READY_TIMEOUT_S = 120.0
+HOLDER_SLACK_BLOCKS = 4  # memory-bound holder: room to prefill the document once, never a sub-agent
 
 
-def _engine_args(*, holds: bool, doc_tokens: int) -> list[str]:
+def _engine_args(*, holds: bool, doc_tokens: int, kv_blocks: int = 0) -> list[str]:
     args = ["--move-query", "--kv-backends", "shm", "--route-timeout-s", "5"]
     if holds:
+        if kv_blocks > 0:
+            args += ["--num-kv-blocks", str(-(-doc_tokens // BLOCK) + HOLDER_SLACK_BLOCKS)]
         return [*args, "--hold-bytes", str(256 << 20), "--hold-min-tokens", str(doc_tokens)]
+    if kv_blocks > 0:
+        args += ["--num-kv-blocks", str(kv_blocks)]
     return [*args, "--no-persist-kv"]
 
 
@@ -83,7 +95,23 @@ async def _stream(
         async for line in resp.content:
             if line.startswith(b"data: {"):
                 stamps.append(time.perf_counter())
-    return {"ttft_s": stamps[0] - started, "first": stamps[0], "last": stamps[-1], "tokens": len(stamps)}
+    return {
+        "ttft_s": stamps[0] - started,
+        "start": started,
+        "first": stamps[0],
+        "last": stamps[-1],
+        "tokens": len(stamps),
+    }
+
+
+def peak_concurrent(spans: list[tuple[float, float]]) -> int:
+    """Most (first token, last token) spans open at one time."""
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], -e[1]))
+    peak = open_now = 0
+    for _, step in events:
+        open_now += step
+        peak = max(peak, open_now)
+    return peak
 
 
 async def _choices(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -110,7 +138,10 @@ async def _one_primitive(primitive: str, opts: dict[str, Any], tmp: Path) -> lis
             await registry.open()
             stack.start("index", "index-0")
             stack.start("storage", "storage-0", "--root", str(tmp / "store"))
-            stack.start("engine", "engine-0", *_engine_args(holds=True, doc_tokens=len(doc)))
+            kv_blocks = opts.get("kv_blocks", 0)
+            stack.start(
+                "engine", "engine-0", *_engine_args(holds=True, doc_tokens=len(doc), kv_blocks=kv_blocks)
+            )
             router_args = ["--http-port", "0", "--move-query", primitive, "--movequery-fabric", "shm"]
             if opts.get("profile"):  # the profile the microbenchmark just calibrated
                 router_args += ["--movequery-profile", opts["profile"]]
@@ -121,7 +152,8 @@ async def _one_primitive(primitive: str, opts: dict[str, Any], tmp: Path) -> lis
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
                 await _stream(http, url, doc, 2)  # prefilled once, pinned, persisted
                 for i in range(opts["engines"]):
-                    stack.start("engine", f"engine-{i + 1}", *_engine_args(holds=False, doc_tokens=len(doc)))
+                    args = _engine_args(holds=False, doc_tokens=len(doc), kv_blocks=kv_blocks)
+                    stack.start("engine", f"engine-{i + 1}", *args)
                 await _ready(stack, registry, opts["engines"] + 1)
                 return [await _fan_in(http, url, doc, n, primitive, opts, rng) for n in opts["ns"]]
         finally:
@@ -152,6 +184,9 @@ async def _fan_in(
         "decode_tok_s": statistics.median(rates) if rates else 0.0,
         "kv_bytes": int(resident * opts["kv_bytes_per_token"]),
         "routed": int(routed),
+        "peak_concurrent": peak_concurrent([(r["first"], r["last"]) for r in runs]),
+        "makespan_s": max(r["last"] for r in runs) - min(r["start"] for r in runs),
+        "kv_blocks": opts.get("kv_blocks", 0),
     }
 
 
@@ -166,13 +201,14 @@ def run_fanin(opts: dict[str, Any]) -> list[dict[str, Any]]:
 
 def format_fanin(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "fan-in: one holder, N sub-agents on other engines",
-        "  N  primitive  TTFT p50 ms  decode tok/s  KV MB",
+        "fan-in: one holder, N sub-agents on other engines (kv blocks: per requester, 0 = default cache)",
+        "kv blocks   N  primitive  TTFT p50 ms  decode tok/s  KV MB  routed  at once  makespan s",
     ]
     for r in rows:
         lines.append(
-            f"{r['n']:>3}  {r['primitive']:<9}{r['ttft_p50_s'] * 1e3:>12.1f}{r['decode_tok_s']:>14.1f}"
-            f"{r['kv_bytes'] / 1e6:>7.1f}"
+            f"{r.get('kv_blocks', 0):>9}{r['n']:>4}  {r['primitive']:<9}{r['ttft_p50_s'] * 1e3:>12.1f}"
+            f"{r['decode_tok_s']:>14.1f}{r['kv_bytes'] / 1e6:>7.1f}{r.get('routed', 0):>8}"
+            f"{r.get('peak_concurrent', 0):>9}{r.get('makespan_s', 0.0):>12.2f}"
         )
     return "\n".join(lines)
 

@@ -9,7 +9,10 @@ the ~3 ms splice, c = 0.5-1.5 us per token and layer). It regenerates:
   fetch/local crossover in chunk tokens (75-220);
 - the host-overhead regime of the paper's Python client (route TTFT 3.5 ms + 12.5 us M_q against a
   splice-free bytes-back fetch through the same client, 3.5 ms + the pull: fetch wins below ~200 rows);
-- the predicate's choice per (fabric, request shape), with every exchange paid once per layer.
+- the predicate's choice per (fabric, request shape), with every exchange paid once per layer;
+- the memory-bound fan-in: N sub-agents of one chunk admitted in order into a requester cache that holds only
+  a few copies of it, each taking the KV its primitive keeps (`resident_kv_tokens`), auto deciding with the
+  free KV left (`choose`, the router's rule): how many run at once per primitive.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ import math
 from typing import Any
 
 from services.policy.movequery import (
+    Primitive,
     RouteRequest,
     byte_break_even_rows,
     choose,
     local_fetch_crossover_tokens,
+    resident_kv_tokens,
     route_exchange_s,
     route_fetch_crossover_rows,
 )
@@ -63,6 +68,7 @@ def movequery_sweep() -> dict[str, Any]:
         },
         "host_overhead_crossover_rows": host_crossover,
         "choices": _choices(profile),
+        "memory_bound_fanin": memory_bound_fanin(profile, PAPER_FABRICS["ibgda"]),
     }
 
 
@@ -81,6 +87,30 @@ def _choices(profile: Any) -> list[dict[str, Any]]:
         for name, f in PAPER_FABRICS.items()
         for label, req in shapes.items()
     ]
+
+
+def memory_bound_fanin(
+    profile: Any, fabric: Any, *, n: int = 64, copies: int = 3, own_tokens: int = 320, steps: int = 400
+) -> dict[str, int]:
+    """Sub-agents (chunk 2048 + `own_tokens` prompt, `steps` answer tokens: long enough that fetch wins on
+    time) admitted first come first served into a cache of `copies` fetched sub-agents' KV: how many run at
+    once under each forced primitive and under auto; `auto_routed`: how many of those auto routed."""
+    req = RouteRequest(CHUNK_TOKENS, own_tokens, steps)
+    capacity = copies * resident_kv_tokens(Primitive.FETCH, req)
+    out = {}
+    for mode in ("route", "fetch", "local", "auto"):
+        free, admitted, routed = capacity, 0, 0
+        for _ in range(n):
+            sized = dataclasses.replace(req, free_kv_tokens=free)
+            primitive = choose(profile, fabric, sized).primitive if mode == "auto" else Primitive(mode)
+            need = resident_kv_tokens(primitive, req)
+            if need > free:
+                break  # head of line waits for memory
+            free, admitted, routed = free - need, admitted + 1, routed + (primitive is Primitive.ROUTE)
+        out[mode] = admitted
+        if mode == "auto":
+            out["auto_routed"] = routed
+    return out
 
 
 def format_movequery(result: dict[str, Any]) -> str:
@@ -102,6 +132,11 @@ def format_movequery(result: dict[str, Any]) -> str:
     lines.append(
         f"host-overhead mode (route 3.5 ms + 12.5 us M_q vs bytes-back fetch): fetch wins below "
         f"M_q {result['host_overhead_crossover_rows']:.0f}"
+    )
+    fan = result["memory_bound_fanin"]
+    lines.append(
+        "memory-bound fan-in (64 sub-agents, cache of 3 fetched copies, ibgda) running at once: "
+        + ", ".join(f"{k} {v}" for k, v in fan.items())
     )
     lines.append("predicate (every exchange once per layer):")
     for c in result["choices"]:

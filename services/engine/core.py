@@ -374,13 +374,17 @@ class EngineCore:
     # --------------------------------------------------------------------------------------- reports
 
     def load(self) -> dict[str, Any]:
+        queued = [s for s in self.seqs.values() if s.status is not SeqStatus.RUNNING]
+        bs = self.scheduler.block_size
+        waiting = sum(max(0, s.num_tokens - bs * len(s.block_ids)) for s in queued)
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": sum(1 for s in self.seqs.values() if s.status is not SeqStatus.RUNNING),
+            "num_waiting": len(queued),
             "unfinished_tokens": sum(s.num_tokens for s in self.seqs.values()),
             "free_kv_blocks": self.runner.kv.num_free_blocks,
             "total_kv_blocks": self.runner.kv.num_blocks,
-            "rates": {"prefill_tokens_per_s": self.prefill_rate.value},
+            # KV the queued requests will need (their tokens, less a routed chunk's placeholder blocks)
+            "rates": {"prefill_tokens_per_s": self.prefill_rate.value, "waiting_kv_tokens": float(waiting)},
         }
 
 

@@ -10,9 +10,11 @@ M_q counts query rows on the wire, one per (token, head), q and p their bytes (t
 (o, m, l)); b_KV is the KV of one token and layer. The paper's rule takes the argmin of the three per
 (chunk, request); kvpath applies it per request at dispatch with the request's whole life in view (its
 prefill's rows, then one token's rows per decode step, every exchange paid once per layer, since a layer's
-query depends on the layer before), the requester's free KV memory (fetch and local need room for the
-chunk, route does not) and the holder's queue, and again between decode steps (`keep_routing`), when the
-remaining steps and the holder's measured queue are known.
+query depends on the layer before), the requester's free KV memory after the work queued on it (fetch and
+local need room for the chunk and, so that the next request sharing it does not queue for memory, for one
+more copy: `can_take_chunk`; route keeps only the request's own tokens, so in the memory-bound fan-in it
+serves the sub-agents a requester cannot hold copies for) and the holder's queue, and again between decode
+steps (`keep_routing`), when the remaining steps and the holder's measured queue are known.
 
 Who calls it: the router (`services/router/route_choice.py`) at dispatch, the engine's route sessions
 between steps, the simulator (`loadgen/sim/movequery*.py`) with the paper's fabrics. Constants come from a
@@ -148,7 +150,8 @@ class RouteRequest:
     chunk_tokens: int  # c_t: the held prefix this request shares
     new_tokens: int  # prompt tokens after the chunk (computed on the requester whatever the choice)
     decode_steps: int  # tokens it will generate (max_tokens: an upper bound)
-    free_kv_tokens: int | None = None  # the requester's free cache (None: unknown, assume room)
+    # the requester's free cache after the work queued on it (None: unknown, assume room)
+    free_kv_tokens: int | None = None
     holder_queue_s: float = 0.0  # how long the holder's queue holds an exchange now (measured)
     can_route: bool = True  # a live holder and a requester that speaks the protocol
     can_fetch: bool = True  # the chunk is in the store
@@ -193,12 +196,28 @@ def request_costs(
         infeasible.add(Primitive.ROUTE)
     if not req.can_fetch:
         infeasible.add(Primitive.FETCH)
-    needs_chunk = req.chunk_tokens + req.new_tokens + req.decode_steps
-    if req.free_kv_tokens is not None and req.free_kv_tokens < needs_chunk and req.can_route:
-        infeasible |= {Primitive.FETCH, Primitive.LOCAL}  # the chunk does not fit; route needs no room for it
+    if req.can_route and not can_take_chunk(req):
+        infeasible |= {Primitive.FETCH, Primitive.LOCAL}  # memory-bound: route needs no room for the chunk
     for p in infeasible:
         total[p] = first[p] = math.inf
     return {str(k): v for k, v in total.items()}, {str(k): v for k, v in first.items()}
+
+
+def resident_kv_tokens(primitive: Primitive | str, req: RouteRequest) -> int:
+    """KV tokens the request keeps in the requester's cache under `primitive`: its own tokens, plus the
+    chunk unless it is routed (the chunk then stays on the holder)."""
+    own = req.new_tokens + req.decode_steps
+    return own if Primitive(primitive) is Primitive.ROUTE else own + req.chunk_tokens
+
+
+def can_take_chunk(req: RouteRequest) -> bool:
+    """Whether fetch or local (a private copy of the chunk in the requester's cache) leaves the requester
+    room to keep serving: its free KV must hold this request with its copy and one more copy of the chunk.
+    Below that the next request sharing the chunk queues for memory (or preempts a running one), the
+    fan-in's bottleneck, which route does not have: it keeps only the request's own tokens."""
+    if req.free_kv_tokens is None:
+        return True
+    return req.free_kv_tokens >= resident_kv_tokens(Primitive.FETCH, req) + req.chunk_tokens
 
 
 def choose(profile: CostProfile, fabric: Fabric, req: RouteRequest) -> Choice:

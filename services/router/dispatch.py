@@ -131,7 +131,7 @@ class ColocatedDispatch(Dispatch):
             engines = self.engines.engine_snapshots(block_size, (ROLE_COLOCATED,))
             candidates = [e for e in engines if e.engine_id not in tried]
             if self.held_routing is not None:
-                avoid = self.held_routing.avoid(locality)
+                avoid = self.held_routing.avoid(locality, task.plan)
                 candidates = [e for e in candidates if e.engine_id not in avoid] or candidates
             engine_id = self._pick(candidates, task.plan, locality)
             if engine_id is None:

@@ -26,6 +26,7 @@ from services.policy.movequery import (
     fetch_s,
     local_attention_s,
     local_s,
+    resident_kv_tokens,
 )
 from services.policy.movequery_profile import fallback_profile, profile_from_dict
 from services.router import metrics
@@ -78,13 +79,30 @@ class HeldRouting:
                 out[engine_id] = n
         return out
 
-    def avoid(self, locality: Mapping[str, int]) -> set[str]:
-        """Engines not to pick for this request while another can take it (a forced mode: the holders, so
-        every candidate uses the forced primitive; `auto` may serve it on the holder itself)."""
-        return set(self.holders(locality)) if self.mode != "auto" else set()
+    def avoid(self, locality: Mapping[str, int], plan: RequestPlan | None = None) -> set[str]:
+        """Engines not to pick for this request while another can take it. A forced mode: the holders, so
+        every candidate uses the forced primitive. `auto` may serve a request on the holder itself (which
+        copies the chunk into the request's blocks), unless the holder's free KV cannot take it."""
+        if self.mode != "auto":
+            return set(self.holders(locality))
+        if plan is None:
+            return set()
+        need = plan.num_prompt_tokens + plan.sampling.max_tokens
+        return {h for h in self.holders(locality) if self.free_kv_tokens(h) < need}
+
+    def free_kv_tokens(self, engine_id: str) -> int:
+        """The engine's free KV after the work queued on it: the report's free blocks less what the router
+        sent since and what the engine's queued requests will need (`waiting_kv_tokens`)."""
+        state = self.engines.get(engine_id)
+        if state is None:
+            return 0
+        block_size = self.engines.kv_format.block_size if self.engines.kv_format else 1
+        waiting = int(state.report.rates.get("waiting_kv_tokens", 0.0))
+        return state.snapshot(block_size).free_kv_tokens - waiting
 
     def apply(self, plan: RequestPlan, engine_id: str, locality: Mapping[str, int]) -> None:
-        """Set `plan.kv.held` for the engine the request goes to (cleared when nothing is held elsewhere)."""
+        """Set `plan.kv.held` for the engine the request goes to (cleared when nothing is held elsewhere) and
+        count the KV the choice keeps there, so the requests dispatched before its next report see it."""
         plan.kv.held = None
         requester = self.engines.get(engine_id)
         holders = {h: n for h, n in self.holders(locality).items() if h != engine_id}
@@ -93,38 +111,56 @@ class HeldRouting:
         holder_id, n = max(holders.items(), key=lambda item: item[1])
         block_size = self.engines.kv_format.block_size if self.engines.kv_format else 1
         n = min(n, max_hit_blocks(plan.num_prompt_tokens, block_size))
-        if n <= 0:
-            return
         holder = self.engines.get(holder_id)
         assert holder is not None
         rates = holder.report.rates
         shape = ModelShape(**{k: int(rates.get(v, 0)) for k, v in _SHAPE_RATES.items()})
-        if shape.num_layers <= 0 or shape.rows_per_token <= 0:
+        if n <= 0 or shape.num_layers <= 0 or shape.rows_per_token <= 0:
             return
-        profile = self.profile or fallback_profile(shape)
         num_store = min(n, locality.get("store", 0))
         chunk = n * block_size
-        free = requester.snapshot(block_size).free_kv_tokens
         request = RouteRequest(
             chunk_tokens=chunk,
             new_tokens=plan.num_prompt_tokens - chunk,
             decode_steps=plan.sampling.max_tokens,
-            free_kv_tokens=free,
+            free_kv_tokens=self.free_kv_tokens(engine_id),
             holder_queue_s=float(rates.get("mq_holder_queue_s", 0.0)),
             can_fetch=num_store >= n,
         )
-        fabric = profile.fabric(self.fabric)
-        primitive = (
-            Primitive(self.mode) if self.mode != "auto" else choose(profile, fabric, request).primitive
-        )
-        if primitive is Primitive.FETCH and num_store < n:
-            primitive = Primitive.LOCAL
+        primitive = self._primitive(self.profile or fallback_profile(shape), request)
+        plan.kv.held = self._held(plan, holder_id, n, num_store, primitive, shape)
+        requester.pending_kv_tokens += resident_kv_tokens(primitive, request)
+        metrics.MOVEQUERY_CHOICES.labels(str(primitive)).inc()
+
+    def _primitive(self, profile: CostProfile, request: RouteRequest) -> Primitive:
+        if self.mode != "auto":
+            primitive = Primitive(self.mode)
+        else:
+            primitive = choose(profile, profile.fabric(self.fabric), request).primitive
+        return Primitive.LOCAL if primitive is Primitive.FETCH and not request.can_fetch else primitive
+
+    def _held(
+        self,
+        plan: RequestPlan,
+        holder_id: str,
+        n: int,
+        num_store: int,
+        primitive: Primitive,
+        shape: ModelShape,
+    ) -> HeldPrefix:
+        """The plan's move-the-query part; the hit blocks set for the primitive."""
+        profile = self.profile or fallback_profile(shape)
+        chunk = n * (self.engines.kv_format.block_size if self.engines.kv_format else 1)
         take = local_s(profile, chunk)
         if num_store >= n:
             take = min(take, fetch_s(profile, chunk))
         if self.mode != "auto":
             take = 0.0  # a forced primitive is never repriced between decode steps
-        plan.kv.held = HeldPrefix(
+        if primitive is Primitive.LOCAL:
+            plan.kv.num_hit_blocks = 0  # recompute the chunk here
+        elif primitive is Primitive.FETCH:
+            plan.kv.num_hit_blocks = min(plan.kv.num_hit_blocks, num_store)
+        return HeldPrefix(
             holder_id=holder_id,
             num_blocks=n,
             primitive=str(primitive),
@@ -133,8 +169,3 @@ class HeldRouting:
             take_s=take,
             local_step_s=shape.num_layers * local_attention_s(profile, shape.rows_per_token, chunk),
         )
-        if primitive is Primitive.LOCAL:
-            plan.kv.num_hit_blocks = 0  # recompute the chunk here
-        elif primitive is Primitive.FETCH:
-            plan.kv.num_hit_blocks = min(plan.kv.num_hit_blocks, num_store)
-        metrics.MOVEQUERY_CHOICES.labels(str(primitive)).inc()

@@ -3,9 +3,13 @@ constants that made them, and the report carries what --json promises."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from loadgen.bench.movequery import build_report, calibrate, format_report
+from loadgen.bench.movequery_fanin import format_fanin, peak_concurrent
+from loadgen.bench.movequery_plot import plot
 from services.policy.movequery import ModelShape
 
 SHAPE = ModelShape(
@@ -42,3 +46,19 @@ def test_calibration_recovers_the_constants_and_the_report_has_the_json_fields()
     assert report["model_mape"] == pytest.approx(0, abs=1e-9)
     assert report["merge_max_rel_err"] == 3e-7 and report["fanin"] == []
     assert "model MAPE" in format_report(report)
+
+
+def test_fanin_concurrency_and_the_png(tmp_path: Path) -> None:
+    """`peak_concurrent` counts streams open at once (a stream ending as another starts overlaps it); the PNG
+    carries measured vs model and the fan-in per primitive and memory configuration."""
+    assert peak_concurrent([(0, 2), (1, 3), (2, 4), (5, 6)]) == 3
+    assert peak_concurrent([(0, 1), (1.5, 2)]) == 1 and peak_concurrent([]) == 0
+    report = build_report(calibrate(SHAPE, synthetic(), ["shm"]), synthetic(), ["shm"], 3e-7)
+    for kv_blocks in (0, 128):
+        for n, primitive in ((4, "route"), (8, "route"), (4, "auto")):
+            row = {"n": n, "primitive": primitive, "ttft_p50_s": 0.1 * n, "decode_tok_s": 10.0}
+            report["fanin"].append(row | {"kv_blocks": kv_blocks, "kv_bytes": 1e6, "peak_concurrent": n})
+    assert "at once" in format_fanin(report["fanin"])
+    path = tmp_path / "mq.png"
+    plot(report, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

@@ -18,6 +18,7 @@ from services.policy.movequery import (
     keep_routing,
     local_fetch_crossover_tokens,
     local_s,
+    resident_kv_tokens,
     route_exchange_s,
     route_fetch_crossover_rows,
 )
@@ -111,6 +112,27 @@ def test_the_predicate_per_request() -> None:
     assert choose(profile, PAPER_FABRICS["ibgda"], gone).primitive is Primitive.FETCH
     nothing = RouteRequest(chunk_tokens=2048, new_tokens=1, decode_steps=1, can_route=False, can_fetch=False)
     assert choose(profile, PAPER_FABRICS["ibgda"], nothing).primitive is Primitive.LOCAL
+
+
+def test_memory_bound_requester_routes_what_it_cannot_hold_copies_for() -> None:
+    """The fan-in's memory rule on a hand-made requester: fetch wins on time while the requester's free KV
+    holds this sub-agent's copy of the chunk and one more; below that (the next sub-agent would queue for
+    memory) only route, which keeps the sub-agent's own tokens, is feasible."""
+    profile, ibgda = paper_profile(with_compute=True), PAPER_FABRICS["ibgda"]
+    sub_agent = RouteRequest(chunk_tokens=2048, new_tokens=64, decode_steps=400)
+    assert resident_kv_tokens(Primitive.ROUTE, sub_agent) == 464
+    assert resident_kv_tokens("fetch", sub_agent) == resident_kv_tokens("local", sub_agent) == 2512
+    two_copies = 2512 + 2048
+    roomy = dataclasses.replace(sub_agent, free_kv_tokens=two_copies)
+    assert choose(profile, ibgda, roomy).primitive is Primitive.FETCH  # fits: time decides
+    one_copy = dataclasses.replace(sub_agent, free_kv_tokens=two_copies - 1)  # this one fits, the next not
+    choice = choose(profile, ibgda, one_copy)
+    assert choice.primitive is Primitive.ROUTE
+    assert math.isinf(choice.costs_s["fetch"]) and math.isinf(choice.costs_s["local"])
+    queued = dataclasses.replace(sub_agent, free_kv_tokens=-300)  # queued work already exceeds the free KV
+    assert choose(profile, ibgda, queued).primitive is Primitive.ROUTE
+    # without a holder nothing avoids memory: time decides again (fetch), the engine queues it
+    assert choose(profile, ibgda, dataclasses.replace(queued, can_route=False)).primitive is Primitive.FETCH
 
 
 def test_keep_routing_between_steps() -> None:

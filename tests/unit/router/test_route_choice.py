@@ -25,17 +25,24 @@ SHAPE = {  # the tiny model's load-report rates (services/engine/route_shape.py)
 }
 
 
-def table(*, holder_rates: dict[str, float] | None = None, draining: bool = False) -> EngineTable:
+def table(
+    *,
+    holder_rates: dict[str, float] | None = None,
+    draining: bool = False,
+    free_kv_blocks: int = 1000,
+    requester_rates: dict[str, float] | None = None,
+) -> EngineTable:
     engines = EngineTable(silence_timeout_s=3.0)
     now = time.monotonic()
-    for engine_id, rates in (("e0", SHAPE if holder_rates is None else holder_rates), ("e1", SHAPE)):
+    e0_rates = SHAPE if holder_rates is None else holder_rates
+    for engine_id, rates in (("e0", e0_rates), ("e1", {**SHAPE, **(requester_rates or {})})):
         report = LoadReport(
             service_id=engine_id,
             role="colocated",
             node=0,
             seq=1,
             sent_at=0.0,
-            free_kv_blocks=1000,
+            free_kv_blocks=free_kv_blocks,
             kv_format=FMT,
             rates=dict(rates),
             is_draining=draining and engine_id == "e0",
@@ -87,3 +94,28 @@ def test_nothing_to_route() -> None:
         p = plan(64 * 8 + 30, 16)
         HeldRouting(engines, mode="route", profile=None, fabric="shm").apply(p, "e1", {"held:e0": 8})
         assert p.kv.held is None
+
+
+def test_auto_routes_the_burst_the_requester_cannot_hold_copies_for() -> None:
+    """Memory-bound fan-in: sub-agents of one 2048-token document (32 blocks) reach a requester with 96 free
+    blocks at once. Each fetch keeps a copy of the document there (counted before the next report), so auto
+    fetches while two more copies fit, then routes (suffix + answer only); queued work the engine reports
+    counts as taken; a holder without room for the request is not picked in auto either."""
+    routing = HeldRouting(table(free_kv_blocks=96), mode="auto", profile=None, fabric="shm")
+    locality = {"held:e0": 32, "store": 32}
+    choices = []
+    for _ in range(6):
+        p = plan(64 * 32 + 300, 32, hits=32)
+        routing.apply(p, "e1", locality)
+        assert p.kv.held is not None
+        choices.append(p.kv.held.primitive)
+    assert choices == ["fetch", "route", "route", "route", "route", "route"]
+    assert routing.free_kv_tokens("e1") == 96 * 64 - (2048 + 332) - 5 * 332
+    queued = table(free_kv_blocks=96, requester_rates={"waiting_kv_tokens": 3000.0})
+    p = plan(64 * 32 + 300, 32, hits=32)
+    HeldRouting(queued, mode="auto", profile=None, fabric="shm").apply(p, "e1", locality)
+    assert p.kv.held is not None and p.kv.held.primitive == "route"
+    assert routing.avoid(locality, plan(64 * 32 + 300, 32)) == set()  # the holder has room for it
+    full = table(free_kv_blocks=96, holder_rates={**SHAPE, "waiting_kv_tokens": 6000.0})
+    full_holder = HeldRouting(full, mode="auto", profile=None, fabric="shm")
+    assert full_holder.avoid(locality, plan(64 * 32 + 300, 32)) == {"e0"}

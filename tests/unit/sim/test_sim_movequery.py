@@ -25,3 +25,11 @@ def test_the_papers_tables() -> None:
         assert choices[(fabric, "decode 1 step, chunk 64, no holder")] == "local"
         assert choices[(fabric, "decode 64 steps, no room for the chunk")] == "route"
     assert "byte break-even" in format_movequery(result)
+
+
+def test_memory_bound_fanin_uses_the_routers_rule() -> None:
+    """Sub-agents admitted in order into a cache of 3 fetched copies: fetch and local run 3 at once, route
+    (own tokens only) 11, auto fetches while a further copy would still fit, then routes."""
+    fan = movequery_sweep()["memory_bound_fanin"]
+    assert (fan["fetch"], fan["local"], fan["route"]) == (3, 3, 11)
+    assert fan["auto"] == 5 and fan["auto_routed"] == 3
