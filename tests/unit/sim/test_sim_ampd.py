@@ -7,8 +7,9 @@ import pytest
 
 from loadgen.sim.ampd import VARIANTS, paper_attainment
 from loadgen.sim.ampd.cluster import AmpdCluster, SimSession
-from loadgen.sim.ampd.paper import Deployment
+from loadgen.sim.ampd.paper import ANCHOR_RATE, Deployment, load_at
 from loadgen.sim.ampd.planner import Candidate, candidates, plan, solve
+from loadgen.sim.ampd.protocol import colocated_candidates
 from services.policy.ampd import MODE_AMPD, MODE_LOCAL, MODE_REMOTE_RR
 from services.policy.ampd_costs import linear_cost_model
 
@@ -30,6 +31,18 @@ def test_a_remote_round_reads_the_history_computes_and_sends_the_increment_back(
     assert s.ttfts[1] == pytest.approx(0.103 + 0.2 + 0.2 + 2 * alpha)
     assert s.itl_tokens == 2 + 1 and s.itl_sum_s == pytest.approx(3 * 0.01)
     assert (cluster.counts.local, cluster.counts.remote) == (0, 2)
+
+
+def test_a_queued_history_read_overlaps_the_previous_compute() -> None:
+    cluster = AmpdCluster(COSTS, num_prefill=1, num_decode=1, mode=MODE_REMOTE_RR, link="kv", reorder=False)
+    y = SimSession("y", [(100, 1, 0.0), (100, 1, 0.0)], 10.0, 1.0)
+    x = SimSession("x", [(2000, 1, 0.0)], 10.0, 1.0)
+    cluster.run([(0.0, y), (0.15, x)])
+    alpha = 1e-4
+    # y's round 2 (101 history tokens) is queued at 0.2001 behind x's compute (0.15-2.15): its 0.101 s read
+    # runs during that compute (paper §6), so it waits 1.9499 s, computes 0.1 s and sends 100 tokens back
+    assert y.ttfts[1] == pytest.approx((2.15 - 0.2 - alpha) + 0.1 + 0.1 + alpha)
+    assert x.ttfts == [pytest.approx(2.0 + 2.0 + alpha)]  # x's first round had no history to read
 
 
 def test_a_local_prefill_stalls_the_decode_batch_for_exactly_its_duration() -> None:
@@ -56,6 +69,24 @@ def test_paper_attainment_reports_every_trace_and_policy() -> None:
     assert set(out["hotpotqa"]) == {"ampd", "disagg-remote", "colocated", "ampd-least-queue"}
     assert all(0.0 <= v <= 1.0 for v in out["hotpotqa"].values())
     assert {"ampd-no-reorder", "ampd-no-routing"} <= VARIANTS.keys()
+
+
+def test_the_paper_protocol_sweeps_the_rates_and_runs_each_policy_on_its_deployment() -> None:
+    assert load_at(ANCHOR_RATE, 0.45) == 0.45 and load_at(0.8, 0.45) == pytest.approx(0.18)  # Fig. 4: 0.8-2.4
+    assert colocated_candidates(8) == [Deployment(tp, 0, tp, 8 // tp) for tp in (2, 4, 8)]
+    calls: list[tuple[str, str]] = []
+
+    def deploy(trace: str, policy: str) -> Deployment:
+        calls.append((trace, policy))
+        return Deployment(8, 0, 8, 1) if policy == "colocated" else Deployment(4, 1, 4, 1)
+
+    out = paper_attainment(
+        ["hotpotqa"], policies=("ampd", "colocated"), n=6, seeds=1, rates=(0.8,), deploy=deploy
+    )
+    assert calls == [("hotpotqa", "ampd"), ("hotpotqa", "colocated")] and set(out["hotpotqa"]) == {
+        "ampd",
+        "colocated",
+    }
 
 
 def test_planner_candidates_fit_the_model_and_use_every_gpu() -> None:
