@@ -29,14 +29,11 @@ from typing import Any
 import numpy as np
 
 from services.engine import metrics
+from services.engine.location_events import CLOSE_WAIT_S, LocationAnnouncer
 from shared.bus import Bus
 from shared.errors import KvpathError
-from shared.kvclient import IndexClient, KvEventPublisher
 
 log = logging.getLogger(__name__)
-
-INDEX_WAIT_S = 2.0  # longest a turn's last token waits for the index to know its resident blocks
-CLOSE_WAIT_S = 1.0
 
 
 @dataclass(slots=True)
@@ -65,49 +62,22 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return first if differ[first] else n
 
 
-class ResidentAnnouncer:
-    """KV events of location `hbm:<engine id>` on the engine's own event source."""
+class ResidentAnnouncer(LocationAnnouncer):
+    """KV events of location `hbm:<engine id>`: sessions' resident full blocks."""
 
     def __init__(self, bus: Bus, engine_id: str, *, block_tokens: int) -> None:
-        self.location = f"hbm:{engine_id}"
-        self.events = KvEventPublisher(bus, f"hbm-{engine_id}")
-        self.index = IndexClient(bus)
-        self.block_tokens = block_tokens
+        super().__init__(bus, "hbm", engine_id, block_tokens=block_tokens)
 
-    async def start(self) -> None:
-        try:
-            await self.events.start()
-            await self.events.cleared([self.location], reason="restarted")
-        except KvpathError as exc:
-            log.warning("KV events unavailable for %s: %s", self.location, exc.message)
+    def count_error(self, exc: KvpathError) -> None:
+        metrics.SESSION_EVENT_FAILURES.inc()
 
     async def changed(self, removed: list[int], stored: list[int], parents: list[int]) -> None:
         """BlockRemoved for `removed`, then BlockStored for `stored`, and wait (bounded) for the index to
         apply them, so the session's next turn is routed by them."""
-        try:
-            seq = 0
-            if removed:
-                seq = await self.events.removed(self.location, removed, reason="replaced")
-            if stored:
-                seq = await self.events.stored(self.location, stored, parents, block_tokens=self.block_tokens)
-            if seq:
-                await self.index.wait_applied(seq, timeout_s=INDEX_WAIT_S)
-        except KvpathError as exc:
-            metrics.SESSION_EVENT_FAILURES.inc()
-            log.warning("resident KV of %s not announced: %s", self.location, exc.message)
+        await self.publish(removed, stored, parents, reason="replaced", wait_applied=True)
 
     async def removed(self, hashes: list[int]) -> None:
-        try:
-            await self.events.removed(self.location, hashes, reason="evicted")
-        except KvpathError as exc:
-            metrics.SESSION_EVENT_FAILURES.inc()
-            log.warning("BlockRemoved for %s not published: %s", self.location, exc.message)
-
-    async def close(self) -> None:
-        try:
-            await asyncio.wait_for(self.events.cleared([self.location], reason="released"), CLOSE_WAIT_S)
-        except (KvpathError, TimeoutError) as exc:
-            log.debug("Cleared for %s not published: %r", self.location, exc)
+        await self.publish(hashes, (), (), reason="evicted", wait_applied=False)
 
 
 class SessionCache:
