@@ -43,6 +43,7 @@ extern "C" __global__ void scatter_blocks(const long long* src_block, const unsi
 _THREADS = 256
 _VECTOR = 16  # bytes per load/store (int4)
 _HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 1, 2
+_ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 
 
 def available(device: str) -> bool:
@@ -81,10 +82,21 @@ class RegisteredHost:
                 ptr = array.ctypes.data
                 self._runtime.hostRegister(ptr, array.nbytes, flags)
                 self._hosts.append(ptr)
-                self.device_ptrs.append(int(self._runtime.hostGetDevicePointer(ptr, 0)))
+                self.device_ptrs.append(self._device_pointer(ptr))
         except Exception:
             self.close()
             raise
+
+    def _device_pointer(self, ptr: int) -> int:
+        """The device address of registered host memory: the host address itself where the device can
+        use it (unified addressing; CuPy 14 has no hostGetDevicePointer binding), else the runtime's."""
+        device = self._runtime.getDevice()
+        if self._runtime.deviceGetAttribute(_ATTR_HOST_POINTER_FOR_REGISTERED_MEM, device):
+            return ptr
+        get = getattr(self._runtime, "hostGetDevicePointer", None)
+        if get is None:
+            raise RuntimeError("this CUDA device needs cudaHostGetDevicePointer, which this CuPy lacks")
+        return int(get(ptr, 0))
 
     def close(self) -> None:
         hosts, self._hosts = self._hosts, []
@@ -155,6 +167,22 @@ class BlockCopier:
         stream.synchronize()
 
     def _stream(self) -> Any:
+        """torch's current stream as a CuPy stream (CuPy 14: Stream.from_external over the CUDA stream
+        protocol; before it: ExternalStream, which CuPy 14 deprecates)."""
         import cupy
 
-        return cupy.cuda.ExternalStream(torch.cuda.current_stream(self.kv.tensor.device).cuda_stream)
+        ptr = torch.cuda.current_stream(self.kv.tensor.device).cuda_stream
+        from_external = getattr(cupy.cuda.Stream, "from_external", None)
+        if from_external is not None:
+            return from_external(_StreamHandle(ptr))
+        return cupy.cuda.ExternalStream(ptr, self.device_index)
+
+
+class _StreamHandle:
+    """A raw cudaStream_t behind the CUDA stream protocol (`__cuda_stream__`: version 0, the handle)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)

@@ -76,6 +76,21 @@ def default_dtype(device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
+def resolve_device(device: str = "auto") -> str:
+    """The device an engine given `device` runs on: "auto" is CUDA where it is available, else the CPU."""
+    if device != "auto":
+        return device
+    import torch  # only to ask; callers that name a device never import it here
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def engine_dtype(dtype: str = "", device: str = "auto") -> str:
+    """The model and KV dtype of an engine started with `--dtype dtype --device device` on this host (the
+    one rule, so that a pool or store sized for the engines of this host holds their KV format)."""
+    return dtype or default_dtype(resolve_device(device))
+
+
 def default_cache_dir() -> Path:
     env = os.environ.get(CACHE_ENV)
     return Path(env) if env else Path.home() / ".cache" / "kvpath" / "models"

@@ -25,9 +25,10 @@ from gpu.kv_cache import TORCH_DTYPES, PagedKVCache
 from gpu.model import Transformer
 from gpu.model_spec import (
     ModelSpec,
-    default_dtype,
     dtype_bytes,
+    engine_dtype,
     load_arch,
+    resolve_device,
     resolve_model,
     served_name,
     spec_from_arch,
@@ -131,11 +132,10 @@ class ModelRunner:
         """Load weights and tokenizer, and allocate the paged cache (`num_kv_blocks`, or as many blocks as
         fit in `kv_cache_bytes`, or a default: 256 MiB on CPU, half the free GPU memory on CUDA). `device`
         "auto" picks CUDA when it is available, else the CPU."""
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device={device!r} requested but CUDA is not available", param="device")
-        dtype = dtype or default_dtype(device)
+        dtype = engine_dtype(dtype or "", device)
         dtype_bytes(dtype)
         if num_threads:
             torch.set_num_threads(num_threads)

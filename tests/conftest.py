@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -9,6 +10,12 @@ import pytest
 
 from shared.natsserver import NatsServer
 from tests.reference import SmolLM2Reference
+
+# Every service these tests start runs float32 (KVPATH_<FIELD> reaches every config with a `dtype`): they
+# assert identical greedy tokens across KV paths, which float32 keeps and bfloat16 does not (a GEMM over 2
+# rows rounds unlike one over 450). CPU engines default to float32 anyway; on a CUDA host this keeps the
+# paths' checks meaningful, and tests/gpu checks bfloat16 itself.
+os.environ.setdefault("KVPATH_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

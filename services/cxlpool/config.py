@@ -13,7 +13,11 @@ class PoolConfig(BaseConfig):
     pool_id: str = doc("", "the pool's name (KV location cxl:<pool_id>); default: the service id")
     model: str = doc("tiny", "model whose KV the pool holds (slot size = one Full Block of it)")
     model_cache_dir: str = doc("", "where embedded models are materialized (default ~/.cache/kvpath/models)")
-    dtype: str = doc("float32", "KV dtype of the engines that use the pool (their KV format must match)")
+    dtype: str = doc(
+        "",
+        "KV dtype of the engines that use the pool (their KV format must match); default: the engines'"
+        " default on this host, bfloat16 where CUDA is available, else float32",
+    )
     block_size: int = doc(DEFAULT_BLOCK_SIZE, "KV block size in tokens (the engines')")
     capacity_bytes: int = doc(1 << 30, "pool memory in bytes (rounded down to whole slots)")
     num_devices: int = doc(4, "memory devices the pool stripes over (emulated: one /dev/shm file each)")

@@ -84,11 +84,12 @@ class PoolService(Service):
         )  # fmt: skip
 
     def _build_pool(self) -> PoolInfo:
-        from gpu.model_spec import load_model_spec
+        from gpu.model_spec import engine_dtype, load_model_spec
 
         c = self.config
         spec = load_model_spec(c.model, c.model_cache_dir or None)
-        slot_bytes = spec.num_layers * c.block_size * spec.kv_bytes_per_token_layer(c.dtype)
+        dtype = engine_dtype(c.dtype)
+        slot_bytes = spec.num_layers * c.block_size * spec.kv_bytes_per_token_layer(dtype)
         num_slots = c.capacity_bytes // slot_bytes
         if num_slots < 1:
             raise ConfigError(
@@ -103,7 +104,7 @@ class PoolService(Service):
         return PoolInfo(
             pool_id=self.pool_id,
             epoch=time.time_ns(),
-            fingerprint=spec.fingerprint(c.dtype, c.block_size),
+            fingerprint=spec.fingerprint(dtype, c.block_size),
             block_size=c.block_size,
             slot_bytes=slot_bytes,
             num_slots=num_slots,

@@ -102,9 +102,8 @@ def _tier_processes(spec: ClusterSpec, procs: list[ProcessSpec], common: list[st
     """Start the KV tier's service (the pool, or the remote store) and return the engine flags that use it."""
     capacity = ["--capacity-bytes", str(spec.pool_bytes)] if spec.pool_bytes else []
     if spec.kv_tier == "pool":
-        procs.append(
-            ProcessSpec("pool-0", "cxlpool", ["--model", spec.model, *common, *capacity], kind="cxlpool")
-        )
+        args = ["--model", spec.model, *common, *capacity, *_engine_dtype_args(spec.extra_engine_args)]
+        procs.append(ProcessSpec("pool-0", "cxlpool", args, kind="cxlpool"))
         return ["--kv-pool", "pool-0"]
     if spec.kv_tier == "remote":
         # the store stands for a remote memory pool: reached over the network (rdma where there is a
@@ -140,3 +139,19 @@ def _nodes(spec: ClusterSpec) -> list[tuple[int, str]]:
 
 def _short(role: str) -> str:
     return {"colocated": "engine", "prefill": "pe", "decode": "de"}[role]
+
+
+def _engine_dtype_args(engine_args: list[str]) -> list[str]:
+    """The pool's `--dtype`: the engines' KV dtype where their flags fix it (`--dtype`, or `--device` whose
+    default it is), else none, and the pool takes the engines' default on this host as they do."""
+    from gpu.model_spec import default_dtype
+
+    flags: dict[str, str] = {}
+    for i, arg in enumerate(engine_args):
+        name, eq, value = arg.partition("=")
+        if name in ("--dtype", "--device"):
+            flags[name] = value if eq else (engine_args[i + 1] if i + 1 < len(engine_args) else "")
+    if flags.get("--dtype"):
+        return ["--dtype", flags["--dtype"]]
+    device = flags.get("--device", "auto")
+    return [] if device == "auto" else ["--dtype", default_dtype(device)]

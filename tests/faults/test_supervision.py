@@ -88,7 +88,9 @@ def test_streams_of_an_engine_restarted_under_its_id_end_with_an_error(tmp_path:
 
     try:
         outcome, message, seconds = asyncio.run(run())
-        assert outcome == "error" and "restarted" in message, (outcome, message)
+        # the restart is told by the reports' incarnation; where a restart outlasts the report timeout (a
+        # CUDA engine's start), the missing reports end the streams first: an error either way, never a hang
+        assert outcome == "error" and ("restarted" in message or "stopped responding" in message), message
         assert seconds < 45  # ended by the restart, not by the request deadline or a hang (60 s)
     finally:
         assert up.stop() == 0, up.log()

@@ -30,6 +30,22 @@ def test_pool_tier_starts_the_pool_for_the_engines_model_and_block_size() -> Non
     assert policy == "beluga"
 
 
+@pytest.mark.parametrize(
+    ("engine_args", "want"),
+    [
+        ([], None),  # the engines' default on this host: the pool resolves it the same way
+        (["--engine-arg=--device cuda"], "bfloat16"),
+        (["--engine-arg=--device=cpu"], "float32"),
+        (["--engine-arg=--device cuda:1", "--engine-arg=--dtype float32"], "float32"),
+    ],
+)
+def test_the_pool_holds_the_engines_kv_dtype(engine_args: list[str], want: str | None) -> None:
+    procs, _ = _spec("--kv-tier", "pool", *engine_args)
+    pool = next(p for p in procs if p.service == "cxlpool")
+    got = pool.args[pool.args.index("--dtype") + 1] if "--dtype" in pool.args else None
+    assert got == want
+
+
 def test_remote_tier_store_is_reached_over_the_network() -> None:
     procs, policy = _spec("--kv-tier", "remote")
     store = next(p for p in procs if p.service == "remotekv")

@@ -11,9 +11,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from gpu.errors import CheckpointError, UnsupportedModelError
-from gpu.model_spec import EMBEDDED_MODELS, ModelSpec, default_dtype, load_model_spec, resolve_model
+from gpu.model_spec import (
+    EMBEDDED_MODELS,
+    ModelSpec,
+    default_dtype,
+    engine_dtype,
+    load_model_spec,
+    resolve_device,
+    resolve_model,
+)
 from shared.errors import ConfigError, ModelNotFoundError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -72,6 +81,14 @@ def test_hand_built_spec_needs_only_the_interface_fields() -> None:
 def test_default_dtype() -> None:
     assert default_dtype("cpu") == "float32"
     assert default_dtype("cuda") == default_dtype("cuda:1") == "bfloat16"
+
+
+def test_engine_dtype_is_the_one_rule_for_engines_and_the_pool() -> None:
+    assert engine_dtype("", "cpu") == "float32" and engine_dtype("", "cuda:0") == "bfloat16"
+    assert engine_dtype("float16", "cpu") == "float16"
+    on_this_host = "bfloat16" if torch.cuda.is_available() else "float32"
+    assert engine_dtype() == engine_dtype("", "auto") == on_this_host
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_unknown_model_and_directory_names(tmp_path: Path, model_cache: str) -> None:
