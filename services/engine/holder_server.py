@@ -28,19 +28,11 @@ from gpu.partial_attention_remote import HeldJob
 from services.engine import metrics
 from services.engine.holder import HeldChunk, HeldChunks
 from services.engine.peers import PeerPool
+from services.engine.route_region import RouteRegion, peer_ref
 from services.engine.route_shape import partial_bytes_per_token, query_bytes_per_token
-from shared.blocks import ExtentAllocator
 from shared.errors import InvalidRequestError, KvpathError, OverloadedError, ProtocolError
 from shared.protocol import Ack, decode, encode
-from shared.protocol.movequery import (
-    PartialQuery,
-    PartialReply,
-    RouteBuffer,
-    RouteClose,
-    RouteOpen,
-    RouteOpened,
-)
-from shared.protocol.tasks import BufferRef
+from shared.protocol.movequery import PartialQuery, PartialReply, RouteClose, RouteOpen, RouteOpened
 from shared.transport import KvReceiver, Notice
 
 log = logging.getLogger(__name__)
@@ -133,10 +125,10 @@ class HolderServer:
         self.query_bytes_per_token = query_bytes_per_token(runner)
         self.partial_bytes_per_token = partial_bytes_per_token(runner)
         self.batcher = HolderBatcher(runner, max_pending=max_pending)
-        self.region = receiver.register_region(QUERY_REGION, region_bytes)
-        self._alloc = ExtentAllocator(region_bytes)
+        self.queries = RouteRegion(
+            receiver, QUERY_REGION, region_bytes, engine_id=engine_id, label="holder query region"
+        )
         self._sessions: dict[str, _Session] = {}  # by request id: what RouteClose names
-        self._next_slot = 1
         self._batcher_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -174,25 +166,18 @@ class HolderServer:
         if msg.request_id in self._sessions:
             raise InvalidRequestError(f"route session {msg.request_id} is open already", param="request_id")
         size = msg.max_query_tokens * self.query_bytes_per_token
-        offset = self._alloc.allocate(size)
-        if offset is None:
+        try:
+            offset, slot = self.queries.reserve(size)
+        except OverloadedError:
             metrics.HOLDER_SESSIONS.labels("full").inc()
-            raise OverloadedError(f"holder query region full ({self._alloc.free_bytes} bytes free)")
-        session = _Session(msg, chunk, offset, size, self._slot())
+            raise
+        session = _Session(msg, chunk, offset, size, slot)
         self.held.acquire(chunk)
         self._sessions[msg.request_id] = session
         session.task = asyncio.create_task(self._serve(session), name=f"route:{msg.request_id}")
         metrics.HOLDER_SESSIONS.labels("opened").inc()
-        queries = RouteBuffer(
-            engine_id=self.engine_id,
-            endpoint=self.receiver.endpoint(),
-            region=QUERY_REGION,
-            offset=offset,
-            size_bytes=size,
-            slot=session.slot,
-        )
         return RouteOpened(
-            queries=queries,
+            queries=self.queries.buffer(offset, size, slot),
             sender_id=self.sender_id,
             num_layers=self.num_layers,
             partial_bytes_per_token=self.partial_bytes_per_token,
@@ -226,11 +211,6 @@ class HolderServer:
             await self._end(session)
         return Ack(ok=session is not None)
 
-    def _slot(self) -> int:
-        slot = self._next_slot
-        self._next_slot = self._next_slot % ((1 << 31) - 1) + 1
-        return slot
-
     async def _end(self, session: _Session) -> None:
         if self._sessions.pop(session.request.request_id, None) is None:
             return
@@ -238,25 +218,16 @@ class HolderServer:
         if task is not None and task is not asyncio.current_task():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        self.receiver.discard(QUERY_REGION, [session.slot])
-        self._alloc.free(session.offset)
+        self.queries.release(session.offset, session.slot)
         self.held.release(session.chunk)
 
     # --------------------------------------------------------------------------------------- data plane
 
     async def _serve(self, session: _Session) -> None:
         request = session.request
-        reply_ref = BufferRef(
-            engine_id=request.reply.engine_id,
-            endpoint=request.reply.endpoint,
-            region=request.reply.region,
-            offset=request.reply.offset,
-            slot=request.reply.slot,
-            num_blocks=0,
-        )
         step = layer = 0
         try:
-            peer = await self.peers.get(reply_ref, timeout_s=self.timeout_s)
+            peer = await self.peers.get(peer_ref(request.reply), timeout_s=self.timeout_s)
             while True:
                 remaining = request.deadline_unix_s - time.time()
                 notice = await self.receiver.wait(
@@ -303,7 +274,7 @@ class HolderServer:
             block_ids=chunk.block_ids[:num_blocks],
             num_tokens=num_blocks * chunk.block_size,
             layer=layer,
-            query=self.region.view(session.offset, nbytes),
+            query=self.queries.region.view(session.offset, nbytes),
             num_query_tokens=query.num_tokens,
         )
         try:

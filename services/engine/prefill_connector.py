@@ -15,26 +15,22 @@ import logging
 import time
 from collections.abc import Awaitable
 from collections.abc import Sequence as Seq
-from typing import Any
 
 import numpy as np
 
 from gpu.runner import LayerHook
 from services.engine import metrics
 from services.engine.connector import KvConnector
-from services.engine.node_storage import NodeStorage
-from services.engine.peers import PeerPool
+from services.engine.connector_context import ConnectorContext
 from services.engine.persist import PersistChain
 from services.engine.prefill_hook import PeParts, PeRecord, PrefillHook
-from services.engine.receive_area import DONE_LAYER, Extent, ReceiveArea, tag
+from services.engine.receive_area import DONE_LAYER, DRAIN_GRACE_S, ReceiveArea, tag
 from services.engine.scheduler import PrefillChunk
 from services.engine.sequence import Sequence
 from shared.blocks import ExtentAllocator, blocks_for
-from shared.bus import Bus
 from shared.errors import DeadlineExceededError, KvpathError, OverloadedError
 from shared.protocol import encode
 from shared.protocol.tasks import BufferRef, PrefillDone, PrefillTask, PullHits, PullHitsReply, Task
-from shared.transport import KvReceiver
 
 log = logging.getLogger(__name__)
 
@@ -44,35 +40,17 @@ class PrefillConnector(KvConnector):
     supports_choices = True  # n > 1: the PE prefills choice 0 only; the DE forks the others from its KV
     forks_choices = False
 
-    def __init__(
-        self,
-        bus: Bus,
-        runner: Any,
-        *,
-        engine_id: str,
-        node: int,
-        block_size: int,
-        receiver: KvReceiver,
-        peers: PeerPool,
-        area_bytes: int,
-        staging_bytes: int,
-        transfer_timeout_s: float,
-    ) -> None:
-        self.kv = runner.kv
-        self.bus = bus
-        self.block_size = block_size
-        self.num_layers = runner.spec.num_layers
-        self.storage = NodeStorage(bus, runner, node=node, block_size=block_size, engine_id=engine_id)
-        self.layout = self.storage.layout
-        # a request whose first token ends it never reaches a DE: the PE persists its prompt itself
-        self.persister = self.storage.persister
-        self.receiver = receiver
-        self.area = ReceiveArea(receiver, "pe_recv", area_bytes, self.layout, engine_id)
-        self.peers = peers
+    def __init__(self, ctx: ConnectorContext, *, area_bytes: int, staging_bytes: int) -> None:
+        self.bus = ctx.bus
+        self.block_size = ctx.block_size
+        self.num_layers = ctx.num_layers
+        self.timeout_s = ctx.transfer_timeout_s
+        self.storage = ctx.node_storage()
+        self.area = ReceiveArea(ctx.receiver, "pe_recv", area_bytes, self.storage.layout, ctx.engine_id)
+        self.peers = ctx.peers
         self._staging_alloc = ExtentAllocator(staging_bytes)
-        self.timeout_s = transfer_timeout_s
         staging = np.empty(staging_bytes, dtype=np.uint8)
-        self.parts = PeParts(self.kv, self.layout, self.area, peers, staging, transfer_timeout_s)
+        self.parts = PeParts(ctx.kv, self.storage.layout, self.area, ctx.peers, staging, self.timeout_s)
 
     async def start(self) -> None:
         await self.storage.start()
@@ -84,7 +62,7 @@ class PrefillConnector(KvConnector):
         """Reserve staging for the KV sent to the DE; OverloadedError when the staging buffer is full."""
         assert isinstance(task, PrefillTask)  # the engine subscribes with `task_type`
         n_blocks = blocks_for(seq.num_prompt_tokens, self.block_size)
-        offset = self._staging_alloc.allocate(self.layout.blocks_bytes(n_blocks))
+        offset = self._staging_alloc.allocate(self.storage.layout.blocks_bytes(n_blocks))
         if offset is None:
             raise OverloadedError(f"PE staging buffer full ({n_blocks} blocks wanted)")
         seq.kv_state = PeRecord(task=task, staging=offset)
@@ -111,8 +89,8 @@ class PrefillConnector(KvConnector):
         stream (0: recompute the prefix, a miss)."""
         remaining_s = max(0.01, seq.deadline_unix_s - time.time())
         try:
-            record.pull = self.area.reserve(seq.request_id, hits, ttl_s=remaining_s + 30.0)
-            ref = self.area.ref(record.pull, self.receiver.endpoint())
+            record.pull = self.area.reserve(seq.request_id, hits, ttl_s=remaining_s + DRAIN_GRACE_S)
+            ref = self.area.ref(record.pull)
             reply = await self.bus.request(
                 self.bus.subjects.transfer(record.de_id),
                 PullHits(request_id=seq.request_id, pe_buffer=ref),
@@ -155,9 +133,10 @@ class PrefillConnector(KvConnector):
         ends_here = seq.finish_reason in ("stop", "length")  # else handoff (the DE decodes), abort, error
         persisted = None
         if ends_here:
+            # a request whose first token ends it never reaches a DE: the PE persists its prompt itself
             chain = PersistChain(record.num_loaded_blocks)
-            self.persister.persist(seq, chain)
-            persisted = self.persister.finish(seq.request_id, chain)
+            self.storage.persister.persist(seq, chain)
+            persisted = self.storage.persister.finish(seq.request_id, chain)
         done = PrefillDone(
             first_token=seq.output_token_ids[0] if seq.output_token_ids else None,
             finish_reason=seq.finish_reason if ends_here and seq.finish_reason else "",
@@ -193,12 +172,4 @@ class PrefillConnector(KvConnector):
         if record.num_pulled_layers >= self.num_layers or record.num_loaded_blocks == 0:
             self.area.free(pull)
         else:  # aborted mid-stream: free once the DE's last layer is in (or the DE is gone)
-            self.storage.keep(self._drain_pull(pull, record.de_id))
-
-    async def _drain_pull(self, pull: Extent, de_id: str) -> None:
-        timeout = max(0.01, pull.expires_at - time.monotonic())
-        try:
-            await self.area.wait(pull, self.num_layers - 1, timeout_s=timeout, peer_id=de_id)
-        except KvpathError:
-            pass  # the DE is gone: nothing writes into the extent any more
-        self.area.free(pull)
+            self.storage.keep(self.area.drain(pull, self.num_layers - 1, peer_id=record.de_id))

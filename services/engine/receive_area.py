@@ -12,12 +12,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from shared.blocks import BlockLayout, ExtentAllocator, full_blocks_view
-from shared.errors import OverloadedError
+from shared.errors import KvpathError, OverloadedError
 from shared.protocol.tasks import BufferRef
 from shared.transport import KvReceiver, Region
 
@@ -25,6 +24,7 @@ log = logging.getLogger(__name__)
 
 TAGS_PER_SLOT = 256
 DONE_LAYER = 255  # PE -> DE: the prompt's KV is complete (meta: an encoded PrefillDone)
+DRAIN_GRACE_S = 30.0  # an abandoned extent waits this long past its request's deadline for its writer at most
 _MAX_SLOT = (1 << 32) // TAGS_PER_SLOT
 
 
@@ -74,10 +74,11 @@ class ReceiveArea:
         self._extents.add(extent)
         return extent
 
-    def ref(self, extent: Extent, endpoint: dict[str, Any]) -> BufferRef:
+    def ref(self, extent: Extent) -> BufferRef:
+        """How the extent's writer names it (this engine's data-plane endpoint)."""
         return BufferRef(
             engine_id=self.engine_id,
-            endpoint=endpoint,
+            endpoint=self.receiver.endpoint(),
             region=self.name,
             offset=extent.offset,
             slot=extent.slot,
@@ -95,6 +96,16 @@ class ReceiveArea:
             self.name, tag(extent.slot, layer), timeout_s=timeout_s, peer_id=peer_id
         )
         return notice.meta
+
+    async def drain(self, extent: Extent, layer: int, *, peer_id: str) -> None:
+        """Free the extent once its writer's notice of `layer` (its last) is in, or the writer is gone, at the
+        latest at the extent's expiry (an extent still being written into must not be reused)."""
+        timeout = max(0.01, extent.expires_at - time.monotonic())
+        try:
+            await self.wait(extent, layer, timeout_s=timeout, peer_id=peer_id)
+        except KvpathError:
+            pass  # the writer died or never answered: nothing writes into the extent any more
+        self.free(extent)
 
     def free(self, extent: Extent) -> None:
         """Give the extent back (idempotent: the reaper may have freed it already)."""

@@ -259,7 +259,7 @@ def build_route_connector(config: Any, service: Any, inner: KvConnector) -> Rout
         bus=bus,
         receiver=service.receiver,
         peers=service.peers,
-        area=ReplyArea(service.receiver, config.route_region_bytes),
+        area=ReplyArea(service.receiver, config.route_region_bytes, engine_id=engine_id),
         storage=inner.storage,
         engine_id=engine_id,
         sender_id=service.sender.sender_id,

@@ -29,23 +29,21 @@ import numpy as np
 from services.engine import metrics
 from services.engine.node_storage import NodeStorage
 from services.engine.peers import PeerPool
+from services.engine.route_region import RouteRegion, peer_ref
 from services.engine.sequence import Sequence
 from services.policy.movequery import take_chunk_now
-from shared.blocks import ExtentAllocator
 from shared.bus import Bus
-from shared.errors import KvpathError, OverloadedError, TransportError
+from shared.errors import KvpathError, TransportError
 from shared.kvclient import ReadLease
 from shared.protocol import Ack, decode, encode
 from shared.protocol.movequery import (
     HeldPrefix,
     PartialQuery,
     PartialReply,
-    RouteBuffer,
     RouteClose,
     RouteOpen,
     RouteOpened,
 )
-from shared.protocol.tasks import BufferRef
 from shared.transport import KvReceiver
 
 log = logging.getLogger(__name__)
@@ -58,33 +56,25 @@ CLOSE_TIMEOUT_S = 1.0
 class ReplyArea:
     """The region holders write partials into: one extent and one notice slot per session."""
 
-    def __init__(self, receiver: KvReceiver, size_bytes: int) -> None:
-        self.receiver = receiver
-        self.region = receiver.register_region(REPLY_REGION, size_bytes)
-        self._alloc = ExtentAllocator(size_bytes)
-        self._next_slot = 1
+    def __init__(self, receiver: KvReceiver, size_bytes: int, *, engine_id: str) -> None:
+        self.replies = RouteRegion(
+            receiver, REPLY_REGION, size_bytes, engine_id=engine_id, label="route reply region"
+        )
+        self.region = self.replies.region
         self._quarantined: list[tuple[float, int, int]] = []  # (until, offset, slot)
 
     def reserve(self, nbytes: int) -> tuple[int, int]:
         now = time.monotonic()
         for item in [q for q in self._quarantined if q[0] <= now]:
             self._quarantined.remove(item)
-            self._release(item[1], item[2])
-        offset = self._alloc.allocate(nbytes)
-        if offset is None:
-            raise OverloadedError(f"route reply region full ({self._alloc.free_bytes} bytes free)")
-        slot, self._next_slot = self._next_slot, self._next_slot % ((1 << 31) - 1) + 1
-        return offset, slot
+            self.replies.release(item[1], item[2])
+        return self.replies.reserve(nbytes)
 
     def free(self, offset: int, slot: int, *, quarantine: bool) -> None:
         if quarantine:
             self._quarantined.append((time.monotonic() + QUARANTINE_S, offset, slot))
         else:
-            self._release(offset, slot)
-
-    def _release(self, offset: int, slot: int) -> None:
-        self.receiver.discard(REPLY_REGION, [slot])
-        self._alloc.free(offset)
+            self.replies.release(offset, slot)
 
 
 @dataclass(slots=True)
@@ -131,13 +121,8 @@ class RouteSession:
     async def open(self) -> None:
         """Open the session with the holder (bounded by timeout_s); a KvpathError says why it could not."""
         ctx, held = self.ctx, self.held
-        reply = RouteBuffer(
-            engine_id=ctx.engine_id,
-            endpoint=ctx.receiver.endpoint(),
-            region=REPLY_REGION,
-            offset=self.offset,
-            size_bytes=self.max_query_tokens * ctx.partial_bytes_per_token,
-            slot=self.slot,
+        reply = ctx.area.replies.buffer(
+            self.offset, self.max_query_tokens * ctx.partial_bytes_per_token, self.slot
         )
         request = RouteOpen(
             request_id=self.seq.request_id,
@@ -152,16 +137,7 @@ class RouteSession:
         )
         subject = ctx.bus.subjects.route(held.holder_id)
         self.opened = await ctx.bus.request(subject, request, RouteOpened, timeout_s=ctx.timeout_s)
-        queries = self.opened.queries
-        ref = BufferRef(
-            engine_id=queries.engine_id,
-            endpoint=queries.endpoint,
-            region=queries.region,
-            offset=queries.offset,
-            slot=queries.slot,
-            num_blocks=0,
-        )
-        self.peer = await ctx.peers.get(ref, timeout_s=ctx.timeout_s)
+        self.peer = await ctx.peers.get(peer_ref(self.opened.queries), timeout_s=ctx.timeout_s)
 
     async def close(self) -> None:
         """End the session: tell the holder (bounded), give back the extent and the lease. Idempotent."""

@@ -171,55 +171,51 @@ def load_runner(config: EngineConfig) -> Any:
 
 def build_connector(config: EngineConfig, service: EngineService) -> KvConnector:
     """The KV connector of the engine's role (NullConnector: recompute everything, persist nothing)."""
-    runner, bus, engine_id = service.runner, service.bus, service.service_id
-    common: dict[str, Any] = {"engine_id": engine_id, "node": config.node, "block_size": config.block_size}
-    if config.role == "prefill":
-        from services.engine.prefill_connector import PrefillConnector
-
-        return PrefillConnector(
-            bus,
-            runner,
-            receiver=service.receiver,
-            peers=service.peers,
-            area_bytes=config.pe_receive_bytes,
-            staging_bytes=config.pe_staging_bytes,
-            transfer_timeout_s=config.transfer_timeout_s,
-            **common,
-        )
-    if config.role == "decode" and config.session_kv:
-        from services.engine.session_connector import SessionConnector
-
-        return SessionConnector(
-            bus,
-            runner,
-            persist_kv=config.persist_kv,
-            receiver=service.receiver,
-            peers=service.peers,
-            area_bytes=config.de_buffer_bytes,
-            staging_bytes=config.session_staging_bytes,
-            transfer_timeout_s=config.transfer_timeout_s,
-            **common,
-        )
-    if config.role == "decode":
-        from services.engine.decode_connector import DecodeConnector
-
-        return DecodeConnector(
-            bus,
-            runner,
-            persist_kv=config.persist_kv,
-            receiver=service.receiver,
-            peers=service.peers,
-            area_bytes=config.de_buffer_bytes,
-            transfer_timeout_s=config.transfer_timeout_s,
-            **common,
-        )
+    if config.role in ("prefill", "decode"):
+        return build_disaggregated_connector(config, service)
     if not (config.load_kv or config.persist_kv):
         return NullConnector()
     from services.engine.colocated_connector import ColocatedConnector
 
+    runner, bus, engine_id = service.runner, service.bus, service.service_id
+    common: dict[str, Any] = {"engine_id": engine_id, "node": config.node, "block_size": config.block_size}
     return ColocatedConnector(
         bus, runner, load_kv=config.load_kv, persist_kv=config.persist_kv, tier=service.upper_tier, **common
     )
+
+
+def build_disaggregated_connector(config: EngineConfig, service: EngineService) -> KvConnector:
+    """A prefill or decode engine's connector, over the KV data plane to its peers."""
+    from services.engine.connector_context import ConnectorContext
+
+    ctx = ConnectorContext(
+        service.bus,
+        service.runner,
+        engine_id=service.service_id,
+        node=config.node,
+        block_size=config.block_size,
+        receiver=service.receiver,
+        peers=service.peers,
+        transfer_timeout_s=config.transfer_timeout_s,
+    )
+    if config.role == "prefill":
+        from services.engine.prefill_connector import PrefillConnector
+
+        return PrefillConnector(
+            ctx, area_bytes=config.pe_receive_bytes, staging_bytes=config.pe_staging_bytes
+        )
+    if config.session_kv:
+        from services.engine.session_connector import SessionConnector
+
+        return SessionConnector(
+            ctx,
+            persist_kv=config.persist_kv,
+            area_bytes=config.de_buffer_bytes,
+            staging_bytes=config.session_staging_bytes,
+        )
+    from services.engine.decode_connector import DecodeConnector
+
+    return DecodeConnector(ctx, persist_kv=config.persist_kv, area_bytes=config.de_buffer_bytes)
 
 
 async def connect_pool(config: EngineConfig, service: EngineService) -> Any:

@@ -27,8 +27,7 @@ import numpy as np
 from gpu.runner import LayerHook, PrefillSeq
 from services.engine import metrics
 from services.engine.connector import KvConnector
-from services.engine.node_storage import NodeStorage
-from services.engine.peers import PeerPool
+from services.engine.connector_context import ConnectorContext
 from services.engine.persist import PersistChain, extend_hashes, root_of
 from services.engine.scheduler import PrefillChunk
 from services.engine.sequence import Sequence
@@ -41,10 +40,8 @@ from services.engine.sessions import (
     common_prefix,
 )
 from shared.blocks import blocks_for
-from shared.bus import Bus
 from shared.kvclient import ReadLease
 from shared.protocol.tasks import BufferRef, DecodeTask, GenerateTask, PullHits, PullHitsReply, Task
-from shared.transport import KvReceiver
 
 
 @dataclass(slots=True)
@@ -87,36 +84,15 @@ class SessionConnector(KvConnector):
     serves_pulls = True
 
     def __init__(
-        self,
-        bus: Bus,
-        runner: Any,
-        *,
-        engine_id: str,
-        node: int,
-        block_size: int,
-        persist_kv: bool,
-        receiver: KvReceiver,
-        peers: PeerPool,
-        area_bytes: int,
-        staging_bytes: int,
-        transfer_timeout_s: float,
+        self, ctx: ConnectorContext, *, persist_kv: bool, area_bytes: int, staging_bytes: int
     ) -> None:
-        self.kv = runner.kv
-        self.block_size = block_size
-        self.storage = NodeStorage(bus, runner, node=node, block_size=block_size, engine_id=engine_id)
-        self.persister = self.storage.persister
+        self.kv = ctx.kv
+        self.block_size = ctx.block_size
+        self.storage = ctx.node_storage()
         self.persist_kv = persist_kv
-        self.sessions = SessionCache(runner.kv, ResidentAnnouncer(bus, engine_id, block_tokens=block_size))
-        self.remote = RemoteTurns(
-            runner,
-            self.storage,
-            receiver=receiver,
-            peers=peers,
-            area_bytes=area_bytes,
-            staging_bytes=staging_bytes,
-            engine_id=engine_id,
-            timeout_s=transfer_timeout_s,
-        )
+        announcer = ResidentAnnouncer(ctx.bus, ctx.engine_id, block_tokens=ctx.block_size)
+        self.sessions = SessionCache(ctx.kv, announcer)
+        self.remote = RemoteTurns(ctx, self.storage, area_bytes=area_bytes, staging_bytes=staging_bytes)
 
     async def start(self) -> None:
         await self.storage.start()
@@ -135,16 +111,16 @@ class SessionConnector(KvConnector):
     def accept(self, seq: Sequence, task: Task) -> BufferRef | None:
         """Take the session's resident KV that the prompt still starts with; a remote turn also reserves the
         buffer its prefill engine writes the rest into (OverloadedError when it is full)."""
-        extent = self.remote.reserve(seq, task) if isinstance(task, DecodeTask) else None
+        handoff = self.remote.reserve(seq, task) if isinstance(task, DecodeTask) else None
         session = seq.plan.session_id
         entry = self.sessions.take(session) if session else None
         record = SessionRecord(session_id=session, announced=list(entry.block_hashes) if entry else [])
         seq.kv_state = record
-        if isinstance(task, DecodeTask) and extent is not None:
+        if handoff is not None:
             kept = self._take_resident(seq, entry, whole_blocks=True)
             record.kept_tokens = kept
             kept_blocks = kept // self.block_size
-            record.remote = RemoteTurn(pe_id=task.pe_id, extent=extent, num_kept_blocks=kept_blocks)
+            record.remote = RemoteTurn(handoff=handoff, num_kept_blocks=kept_blocks)
             return self.remote.ref(record.remote)
         kept = self._take_resident(seq, entry, whole_blocks=False)
         stored = seq.plan.kv.num_hit_blocks
@@ -221,11 +197,11 @@ class SessionConnector(KvConnector):
                 self.storage.release(record.lease)  # the prefix is in the cache now
                 record.lease = None
             if self.persist_kv:
-                self.persister.persist(seq, record.chain)
+                self.storage.persister.persist(seq, record.chain)
 
     def finish(self, seq: Sequence) -> Awaitable[None] | None:
         record: SessionRecord = seq.kv_state
-        persisted = self.persister.finish(seq.request_id, record.chain) if self.persist_kv else None
+        persisted = self.storage.persister.finish(seq.request_id, record.chain) if self.persist_kv else None
         announced = self._keep_resident(seq, record)
         waits = [w for w in (persisted, announced) if w is not None]
         return _all(waits) if waits else None
@@ -245,15 +221,16 @@ class SessionConnector(KvConnector):
                 return announcer.changed(record.announced, [], [])
             return None
         n_blocks, full = blocks_for(valid, self.block_size), valid // self.block_size
-        hashes = extend_hashes(seq, full, self.persister.seed, self.block_size)[:full]
+        seed = self.storage.persister.seed
+        hashes = extend_hashes(seq, full, seed, self.block_size)[:full]
         entry = ResidentKv(record.session_id, seq.token_ids(0, valid), seq.block_ids[:n_blocks], hashes)
         seq.block_ids = seq.block_ids[n_blocks:]
         if not self.sessions.keep(entry) or announcer is None:
             return None
-        same = _common_hashes(record.announced, hashes)
+        same = common_prefix(record.announced, hashes, dtype=np.uint64)
         if same == len(record.announced) == len(hashes):
             return None
-        parents = [hashes[same - 1] if same else root_of(seq, self.persister.seed), *hashes[same:-1]]
+        parents = [hashes[same - 1] if same else root_of(seq, seed), *hashes[same:-1]]
         return announcer.changed(record.announced[same:], hashes[same:], parents)
 
     def release(self, seq: Sequence) -> None:
@@ -266,15 +243,6 @@ class SessionConnector(KvConnector):
         if record.remote is not None:
             self.remote.release(record.remote)
             record.remote = None
-
-
-def _common_hashes(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    differ = np.asarray(a[:n], dtype=np.uint64) != np.asarray(b[:n], dtype=np.uint64)
-    first = int(np.argmax(differ))
-    return first if differ[first] else n
 
 
 async def _all(waits: list[Awaitable[None]]) -> None:

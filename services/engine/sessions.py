@@ -52,12 +52,13 @@ class ResidentKv:
         return len(self.token_ids)
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists (vectorised)."""
+def common_prefix(a: Sequence[int], b: Sequence[int], *, dtype: type[np.integer[Any]] = np.int64) -> int:
+    """Length of the longest common prefix of two lists of integers (vectorised): token ids, or with
+    `dtype=np.uint64` block hashes."""
     n = min(len(a), len(b))
     if n == 0:
         return 0
-    differ = np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64)
+    differ = np.asarray(a[:n], dtype=dtype) != np.asarray(b[:n], dtype=dtype)
     first = int(np.argmax(differ))
     return first if differ[first] else n
 

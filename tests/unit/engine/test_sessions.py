@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import pytest
 
 from services.engine.scheduler import EngineScheduler
@@ -47,6 +48,12 @@ def test_a_taken_session_is_not_evicted_and_a_shorter_keep_loses() -> None:
 )
 def test_common_prefix(a: list[int], b: list[int], n: int) -> None:
     assert common_prefix(a, b) == n
+
+
+def test_common_prefix_of_block_hashes_takes_the_whole_uint64_range() -> None:
+    high = (1 << 64) - 1  # past int64: hashes compare as uint64
+    assert common_prefix([high, 7, 1], [high, 7, 2], dtype=np.uint64) == 2
+    assert common_prefix([high, 1 << 63], [high, 1 << 63], dtype=np.uint64) == 2
 
 
 def _seq(rid: str, n_prompt: int, arrived_at: float, ttft_slo_s: float) -> Sequence:
