@@ -12,7 +12,8 @@ Parts (`--parts`, all by default), each printed as a table:
          (`kvpath loadgen sim --sweep beluga`)
 `--json FILE` writes every number, with the headline keys at the top level (TTFT and KV-load ratios over
 every request of the rate sweep, QPS from the peak run): rpc_rtt_p50_us, nats_rtt_p50_us,
-rpc_speedup, rpc_idle_cpu_percent, pool_load_gbps, pool_noverify_gbps, memcpy_gbps, pool_load_ratio,
+rpc_speedup, rpc_idle_cpu_percent, pool_load_gbps (re-load of verified blocks), pool_cold_gbps (first load:
+every block hashed), pool_noverify_gbps, memcpy_gbps, pool_load_ratio, pool_cold_ratio,
 remote_load_gbps, storage_load_gbps, kv_load_speedup, ttft_speedup, ttft_p99_speedup, qps_speedup,
 sim_ttft_reduction, sim_qps_speedup.
 """
@@ -204,9 +205,11 @@ def headline(out: dict[str, Any]) -> dict[str, float | None]:
         "rpc_speedup": ratio(rtt("nats"), rtt("shm")),
         "rpc_idle_cpu_percent": out.get("rpc", {}).get("idle_cpu_percent"),
         "pool_load_gbps": load("pool"),
+        "pool_cold_gbps": load("pool-cold"),
         "pool_noverify_gbps": load("pool-noverify"),
         "memcpy_gbps": load("memcpy"),
         "pool_load_ratio": ratio(load("pool"), load("memcpy")),
+        "pool_cold_ratio": ratio(load("pool-cold"), load("memcpy")),
         "remote_load_gbps": load("remote"),
         "storage_load_gbps": load("storage"),
         "kv_load_speedup": ratio(

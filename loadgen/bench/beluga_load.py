@@ -5,7 +5,10 @@ One bench process plays the engine: a real `PagedKVCache` of the model and the e
 (`kvpath serve cxlpool`, `remotekv` reached over tcp as across a network, `storage`). Every source is
 read into the same destination blocks as the colocated connector imports them on the CPU (whole blocks,
 one copy per run; on a GPU it goes layer by layer, overlapping compute):
-  pool             LOOKUP+pin over CXL-RPC, checksum check, one copy per run of consecutive slots, unpin
+  pool-cold        LOOKUP+pin over CXL-RPC, checksum check of every block, one copy per run of consecutive
+                   slots, unpin: a first load (the tier's verified slots are forgotten before each read)
+  pool             the same, re-loading blocks it verified before: LOOKUP returns the generations they
+                   were verified at, so no block is hashed again (agents re-read their context every turn)
   pool-noverify    the same without the checksum check (`--no-pool-verify-checksums`)
   remote           GET: the store writes the super blocks into the engine's local DRAM cache over tcp, then
                    the per-layer import (two copies); two block sets alternate through a local cache that
@@ -36,7 +39,7 @@ import numpy as np
 
 from shared.blocks import BlockLayout
 
-SOURCES = ("memcpy", "import", "pool", "pool-noverify", "remote", "remote-local", "storage")
+SOURCES = ("memcpy", "import", "pool-cold", "pool", "pool-noverify", "remote", "remote-local", "storage")
 MODEL = "tiny"  # the pool's slot is one Full Block of this model
 _STORE_ID = "remotekv-bench"
 _POOL_ID = "pool-bench"
@@ -222,6 +225,7 @@ class _LoadBench:
         runs: dict[str, Callable[[], Awaitable[int]]] = {
             "memcpy": lambda: _sync(lambda: np.copyto(heap_dst, heap_src)),
             "import": lambda: _sync(lambda: self._import_heap(heap_src)),
+            "pool-cold": lambda: self._pool(verify=True, cold=True),
             "pool": lambda: self._pool(verify=True),
             "pool-noverify": lambda: self._pool(verify=False),
             "remote": self._remote_miss,
@@ -268,13 +272,19 @@ class _LoadBench:
         self.kv.import_blocks(self.dest, heap)
         return 0
 
-    async def _pool(self, *, verify: bool) -> int:
+    async def _pool(self, *, verify: bool, cold: bool = False) -> int:
         self.pool.verify_checksums = verify
+        if cold:
+            self.pool.verified.forget()
+        hashed = self.pool.verified.num_hashed
         read = await self.pool.read(self.seqs[0], self.num_blocks)
         if read is None or read.num_blocks != self.num_blocks:
             raise RuntimeError(f"pool held {read.num_blocks if read else 0} of {self.num_blocks} blocks")
         self.pool.import_blocks(self.dest, read)
         self.pool.release(read)
+        hashed = self.pool.verified.num_hashed - hashed
+        if verify and hashed != (self.num_blocks if cold else 0):
+            raise RuntimeError(f"pool read hashed {hashed} of {self.num_blocks} blocks (cold={cold})")
         return 0
 
     async def _remote_read(self, which: int) -> int:

@@ -3,10 +3,18 @@
 hash -> slot, with the life of a block as Beluga's single-writer / multi-reader protocol needs it:
 
     ALLOC (writer) -> ALLOCATED: the writer owns the slot, readers cannot see it
-    COMMIT (writer, with the block's checksum) -> COMMITTED: immutable, visible to LOOKUP
+    COMMIT (writer, with the block's checksum) -> COMMITTED: immutable, visible to LOOKUP, under a commit
+      generation unique to this commit (readers that verified a slot's bytes at a generation need not
+      verify them again while LOOKUP returns that generation: the slot cannot change under it, see below)
     LOOKUP (readers) -> the longest committed prefix of a hash chain; with `pin`, a read lease keeps those
       blocks from eviction until UNPIN or the lease's expiry (a dead reader cannot pin forever)
     FREE (writer) -> its ALLOCATED blocks go back (a write that failed)
+
+A writer whose allocation expires may still be copying into its slot (it hung, then resumed). Such a slot is
+quarantined, not freed: it goes back to the free list only once that writer is known to have stopped
+writing it (it commits or frees the hash, which a writer does only after its copy finished, or its client
+is released as dead). So a slot is never handed out while an earlier writer can still write it, and a
+committed block's bytes never change: that is what lets readers trust a generation they verified once.
 
 Slots come from a free list ordered to spread consecutive allocations over the devices. When it runs dry,
 eviction takes the least recently used *evictable* block: committed, unpinned, and a chain tail (no committed
@@ -40,6 +48,7 @@ class Entry:
     parent: int  # parent hash (the fingerprint seed for a chain's first block)
     expires_ns: int  # ALLOCATED: the writer's deadline to commit
     checksum: int = 0
+    generation: int = 0  # COMMITTED: this commit's number (unique in the table)
     pins: int = 0
     num_children: int = 0  # committed blocks whose parent this is
 
@@ -64,6 +73,7 @@ class TableStats:
     evicted: int = 0
     expired_leases: int = 0
     expired_allocations: int = 0
+    num_quarantined: int = 0  # slots of expired allocations whose writer may still be copying
 
 
 @dataclass(slots=True)
@@ -71,24 +81,30 @@ class LookupResult:
     lease_id: int  # 0: nothing pinned
     slots: list[int]
     checksums: list[int]
+    generations: list[int]
 
 
 @dataclass(slots=True)
 class BlockTable:
     num_slots: int
     order: Sequence[int] = ()  # the free list's initial order (default: 0..num_slots-1)
+    first_generation: int = 1  # the first commit's generation (the pool passes its start time in ns, so
+    # a restarted pool never repeats a generation of its predecessor)
     entries: dict[int, Entry] = field(default_factory=dict)
     _free: deque[int] = field(default_factory=deque)
     _evictable: OrderedDict[int, None] = field(default_factory=OrderedDict)  # oldest first
     _num_committed: int = 0
     _allocated: set[int] = field(default_factory=set)  # hashes being written
+    _quarantine: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # (writer, hash) -> slots
     _leases: dict[int, Lease] = field(default_factory=dict)
     _expiries: list[tuple[int, int]] = field(default_factory=list)  # heap of (expires_ns, lease_id)
     _next_lease: int = 1
+    _next_generation: int = 0
     stats: TableStats = field(init=False)
 
     def __post_init__(self) -> None:
         self._free = deque(self.order or range(self.num_slots))
+        self._next_generation = self.first_generation
         self.stats = TableStats(num_slots=self.num_slots)
 
     # ------------------------------------------------------------------------------------------ reads
@@ -102,12 +118,14 @@ class BlockTable:
         entries, evictable, committed = self.entries, self._evictable, BlockState.COMMITTED
         slots: list[int] = []
         checksums: list[int] = []
+        generations: list[int] = []
         for h in hashes:
             entry = entries.get(h)
             if entry is None or entry.state is not committed:
                 break
             slots.append(entry.slot)
             checksums.append(entry.checksum)
+            generations.append(entry.generation)
             if h in evictable:
                 evictable.move_to_end(h)
         self.stats.lookups += 1
@@ -115,7 +133,7 @@ class BlockTable:
         lease_id = 0
         if pin and slots:
             lease_id = self._new_lease(owner, list(hashes[: len(slots)]), now_ns + lease_ns)
-        return LookupResult(lease_id, slots, checksums)
+        return LookupResult(lease_id, slots, checksums, generations)
 
     def unpin(self, lease_id: int, owner: str) -> bool:
         """End a read lease (idempotent); False when it is unknown, expired or someone else's."""
@@ -150,13 +168,16 @@ class BlockTable:
         return slots, evicted
 
     def commit(self, hashes: Sequence[int], checksums: Sequence[int], owner: str) -> list[int]:
-        """Publish `owner`'s allocated blocks; returns those it committed (others' or unknown: skipped)."""
+        """Publish `owner`'s allocated blocks; returns those it committed (others' or unknown: skipped).
+        The writer is done copying: slots of its expired allocations of these hashes leave quarantine."""
         committed: list[int] = []
         for h, checksum in zip(hashes, checksums, strict=True):
+            self._unquarantine(owner, h)
             entry = self.entries.get(h)
             if entry is None or entry.state is not BlockState.ALLOCATED or entry.owner != owner:
                 continue
             entry.state, entry.checksum, entry.owner = BlockState.COMMITTED, checksum, ""
+            entry.generation, self._next_generation = self._next_generation, self._next_generation + 1
             self._allocated.discard(h)
             self._num_committed += 1
             parent = self.entries.get(entry.parent)
@@ -171,6 +192,7 @@ class BlockTable:
         """Give back `owner`'s allocated (uncommitted) blocks: its write failed."""
         freed = 0
         for h in hashes:
+            freed += self._unquarantine(owner, h)
             entry = self.entries.get(h)
             if entry is not None and entry.state is BlockState.ALLOCATED and entry.owner == owner:
                 self._drop(h, entry)
@@ -180,7 +202,8 @@ class BlockTable:
     # ----------------------------------------------------------------------------------- maintenance
 
     def expire(self, now_ns: int) -> None:
-        """End read leases and writer allocations past their deadline (their client died or hung)."""
+        """End read leases and writer allocations past their deadline (their client died or hung). An
+        expired allocation's hash can be written again at once; its slot stays quarantined (see above)."""
         while self._expiries and self._expiries[0][0] <= now_ns:
             _, lease_id = heapq.heappop(self._expiries)
             if lease_id in self._leases:
@@ -188,7 +211,9 @@ class BlockTable:
                 self.stats.expired_leases += 1
         stale = [h for h in self._allocated if self.entries[h].expires_ns <= now_ns]
         for h in stale:
-            self._drop(h, self.entries[h])
+            entry = self.entries.pop(h)
+            self._allocated.discard(h)
+            self._quarantine.setdefault((entry.owner, h), []).append(entry.slot)
             self.stats.expired_allocations += 1
 
     def release_owner(self, owner: str) -> tuple[int, int]:
@@ -199,6 +224,8 @@ class BlockTable:
         allocated = [h for h in self._allocated if self.entries[h].owner == owner]
         for h in allocated:
             self._drop(h, self.entries[h])
+        for key in [key for key in self._quarantine if key[0] == owner]:
+            self._free.extend(self._quarantine.pop(key))
         return len(leases), len(allocated)
 
     def snapshot_stats(self) -> TableStats:
@@ -208,9 +235,18 @@ class BlockTable:
         s.num_allocated = len(self.entries) - self._num_committed
         s.num_pinned = sum(1 for e in self.entries.values() if e.pins)
         s.num_leases = len(self._leases)
+        s.num_quarantined = sum(len(slots) for slots in self._quarantine.values())
         return s
 
     # ---------------------------------------------------------------------------------------- helpers
+
+    def _unquarantine(self, owner: str, h: int) -> int:
+        """`owner` stopped writing `h`: the slots of its expired allocations of it go back."""
+        slots = self._quarantine.pop((owner, h), None) if self._quarantine else None
+        if not slots:
+            return 0
+        self._free.extend(slots)
+        return len(slots)
 
     def _new_lease(self, owner: str, hashes: list[int], expires_ns: int) -> int:
         lease_id = self._next_lease

@@ -28,7 +28,9 @@ class PoolConfig(BaseConfig):
     lease_ms: int = doc(30_000, "read lease (and write allocation) lifetime when a client names none")
     rpc_clients: int = doc(64, "CXL-RPC client entries (processes attached at once)")
     rpc_queue_depth: int = doc(8, "CXL-RPC calls in flight per client")
-    rpc_payload_bytes: int = doc(65600, "CXL-RPC bytes per request/reply slot (a LOOKUP of 4096 blocks)")
+    rpc_payload_bytes: int = doc(
+        98368, "CXL-RPC bytes per request/reply slot (the reply of a LOOKUP of 4096 blocks: 12 + 24 x 4096)"
+    )
     expire_interval_s: float = doc(0.5, "how often expired leases and allocations are reclaimed")
 
     def validate(self) -> None:

@@ -106,10 +106,8 @@ class PoolCore:
     def _lookup(self, owner: str, payload: memoryview) -> bytes:
         req = ops.decode_lookup(payload)
         lease_ns = self._lease_ns(req.lease_ms)
-        hit = self.table.lookup(
-            req.hashes, owner, pin=req.pin, lease_ns=lease_ns, now_ns=self.clock_ns()
-        )
-        return ops.encode_lookup_reply(hit.lease_id, hit.slots, hit.checksums)
+        hit = self.table.lookup(req.hashes, owner, pin=req.pin, lease_ns=lease_ns, now_ns=self.clock_ns())
+        return ops.encode_lookup_reply(hit.lease_id, hit.slots, hit.checksums, hit.generations)
 
     def _alloc(self, owner: str, payload: memoryview) -> bytes:
         hashes, parents, lease_ms = ops.decode_alloc(payload)

@@ -14,7 +14,9 @@ EVENTS_FAILED = Counter(
     "kvpath_cxlpool_events_failed_total", "KV events (cxl tier) that could not be published"
 )
 CLIENTS_GONE = Counter("kvpath_cxlpool_clients_gone_total", "CXL-RPC clients found dead (leases released)")
-SLOTS = Gauge("kvpath_cxlpool_slots", "Pool slots by state (free, allocated, committed)", ["state"])
+SLOTS = Gauge(
+    "kvpath_cxlpool_slots", "Pool slots by state (free, allocated, committed, quarantined)", ["state"]
+)
 PINNED = Gauge("kvpath_cxlpool_pinned_blocks", "Committed blocks under a read lease")
 EVICTED = Gauge("kvpath_cxlpool_evicted_blocks", "Blocks evicted since the pool started")
 
@@ -24,5 +26,6 @@ def bind_stats(stats: Any) -> None:
     SLOTS.labels("free").set_function(lambda: stats().num_free)
     SLOTS.labels("allocated").set_function(lambda: stats().num_allocated)
     SLOTS.labels("committed").set_function(lambda: stats().num_committed)
+    SLOTS.labels("quarantined").set_function(lambda: stats().num_quarantined)
     PINNED.set_function(lambda: stats().num_pinned)
     EVICTED.set_function(lambda: stats().evicted)

@@ -60,7 +60,7 @@ class PoolService(Service):
         info = self._build_pool()
         loop = asyncio.get_running_loop()
         assert self.memory is not None
-        table = BlockTable(info.num_slots)
+        table = BlockTable(info.num_slots, first_generation=info.epoch)  # generations never repeat
         self.core = PoolCore(
             table,
             info,

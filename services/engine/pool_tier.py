@@ -4,7 +4,11 @@ cache, write finished blocks straight from the cache into pool slots.
 Reads: LOOKUP pins the longest prefix of the sequence's block hashes the pool holds (a read lease, so
 eviction cannot take them while they are copied); the blocks are numpy views of the mapped slots, imported
 into the cache layer by layer (one copy per run of consecutive slots: no intermediate buffer) and the lease
-ends. A block whose checksum does not match ends the prefix there (corrupt KV is a miss).
+ends. A block whose checksum does not match ends the prefix there (corrupt KV is a miss). A block is hashed
+once per commit: LOOKUP returns each hit's commit generation, the pool never lets a committed slot change
+(a slot whose writer's allocation expired is not reused until that writer stopped), so a slot verified at a
+generation is not hashed again while the pool returns that generation (`VerifiedSlots`; agents re-read the
+same context every turn). A slot freed and committed again has a new generation and is verified again.
 Writes: ALLOC (synchronous over the shared-memory RPC: µs, on the event loop between steps) hands out slots
 for blocks the pool lacks; the cache exports into them directly, and COMMIT publishes them with their
 checksums in the background. Any pool failure is a miss or a skipped write, counted, never a failed
@@ -54,6 +58,40 @@ def block_checksum(block: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(block.data)
 
 
+class VerifiedSlots:
+    """The commit (generation, checksum) at which each pool slot's bytes were last found to match: 16 bytes
+    per slot of the pool, so bounded by the pool's size; generation 0 (never issued) means not verified."""
+
+    def __init__(self, num_slots: int) -> None:
+        self._generations = np.zeros(num_slots, dtype=np.uint64)
+        self._checksums = np.zeros(num_slots, dtype=np.uint64)
+        self.num_hashed = 0  # blocks hashed (first loads of a commit)
+        self.num_skipped = 0  # blocks trusted without hashing (re-loads of a verified commit)
+
+    def verified_prefix(
+        self, memory: PoolMemory, slots: list[int], checksums: list[int], generations: list[int]
+    ) -> int:
+        """How many leading blocks match their committed checksums, hashing only those not verified at
+        their current generation."""
+        index = np.asarray(slots, dtype=np.int64)
+        want_generations = np.asarray(generations, dtype=np.uint64)
+        want_checksums = np.asarray(checksums, dtype=np.uint64)
+        known = (self._generations[index] == want_generations) & (self._checksums[index] == want_checksums)
+        for i in np.flatnonzero(~known).tolist():
+            self.num_hashed += 1
+            if block_checksum(memory.slot(slots[i])) != checksums[i]:
+                self.num_skipped += int(known[:i].sum())
+                return i
+            self._generations[slots[i]] = want_generations[i]
+            self._checksums[slots[i]] = want_checksums[i]
+        self.num_skipped += int(known.sum())
+        return len(slots)
+
+    def forget(self) -> None:
+        """Verify every block again (benchmarks' first loads)."""
+        self._generations[:] = 0
+
+
 class PoolTier:
     def __init__(
         self, client: PoolClient, layout: BlockLayout, kv: Any, *, verify_checksums: bool, lease_ms: int
@@ -64,6 +102,7 @@ class PoolTier:
         self.layout = layout
         self.kv = kv
         self.verify_checksums = verify_checksums
+        self.verified = VerifiedSlots(self.memory.geometry.num_slots)
         self.lease_ms = lease_ms
         self._tasks: set[asyncio.Future[Any]] = set()
         self._copier: Any = (
@@ -98,7 +137,9 @@ class PoolTier:
             log.warning("pool lookup failed request_id=%s: %s", seq.request_id, exc.message)
             return None
         slots = reply.slots
-        good = self._verified(slots, reply.checksums) if self.verify_checksums else len(slots)
+        good = len(slots)
+        if self.verify_checksums and slots:
+            good = self.verified.verified_prefix(self.memory, slots, reply.checksums, reply.generations)
         metrics.POOL_BLOCKS.labels("hit").inc(good)
         metrics.POOL_BLOCKS.labels("miss").inc(num_blocks - good)
         if good < len(slots):
@@ -108,13 +149,6 @@ class PoolTier:
             self._unpin(reply.lease_id)
             return None
         return PoolRead(reply.lease_id, slots[:good], self._runs(slots[:good]))
-
-    def _verified(self, slots: list[int], checksums: list[int]) -> int:
-        """How many leading blocks match their committed checksums."""
-        for i, slot in enumerate(slots):
-            if block_checksum(self.memory.slot(slot)) != int(checksums[i]):
-                return i
-        return len(slots)
 
     def _runs(self, slots: list[int]) -> list[tuple[int, int, np.ndarray]]:
         shape = self.layout.shape

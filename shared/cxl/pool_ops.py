@@ -5,12 +5,16 @@ Little-endian, fixed headers then u64/i64 arrays (numpy views on decode, no per-
 
     INFO     -> JSON PoolInfo                     geometry and device paths, to map the pool
     LOOKUP   u8 pin, u8 0, u16 0, u32 lease_ms, u32 n, u64 hash[n]
-             -> u64 lease_id, u32 n_hit, i64 slot[n_hit], u64 checksum[n_hit]
+             -> u64 lease_id, u32 n_hit, i64 slot[n_hit], u64 checksum[n_hit], u64 generation[n_hit]
     ALLOC    u32 lease_ms, u32 n, u64 hash[n], u64 parent[n]   -> u32 n, i64 slot[n]  (NO_SLOT / NO_ROOM < 0)
     COMMIT   u32 n, u64 hash[n], u64 checksum[n]               -> u32 committed
     UNPIN    u64 lease_id                                      -> u8 ended
     FREE     u32 n, u64 hash[n]                                -> u32 freed
     STATS    -> JSON
+
+A block's (slot, generation) names one commit: a generation is never reused, and the pool never lets a
+committed slot change (services/cxlpool/block_table.py), so a reader that verified a slot's checksum at a
+generation may skip that check while LOOKUP returns the same generation.
 
 A request that does not parse raises `PoolRequestError`; the pool answers it with STATUS_BAD_REQUEST and goes
 on serving. Arrays decode to lists through a memoryview cast and encode through `array`: for the short
@@ -77,6 +81,7 @@ class LookupReply:
     lease_id: int
     slots: list[int]
     checksums: list[int]
+    generations: list[int]  # each hit's commit generation (unique per commit)
 
 
 def _array(data: memoryview | bytes, offset: int, n: int, code: Literal["q", "Q"], what: str) -> list[int]:
@@ -120,17 +125,20 @@ def decode_lookup(data: memoryview | bytes) -> LookupRequest:
     return LookupRequest(_array(data, _LOOKUP.size, n, "Q", "lookup"), bool(pin), lease_ms)
 
 
-def encode_lookup_reply(lease_id: int, slots: list[int], checksums: list[int]) -> bytes:
+def encode_lookup_reply(
+    lease_id: int, slots: list[int], checksums: list[int], generations: list[int]
+) -> bytes:
     # `array` packs a short list several times faster than numpy (this is the reply of every LOOKUP)
     head = _LOOKUP_REPLY.pack(lease_id, len(slots))
-    return head + _pack(slots, "q") + _pack(checksums, "Q")
+    return head + _pack(slots, "q") + _pack(checksums, "Q") + _pack(generations, "Q")
 
 
 def decode_lookup_reply(data: memoryview | bytes) -> LookupReply:
     lease_id, n = _LOOKUP_REPLY.unpack_from(data)
     slots = _array(data, _LOOKUP_REPLY.size, n, "q", "lookup reply")
     checksums = _array(data, _LOOKUP_REPLY.size + 8 * n, n, "Q", "lookup reply")
-    return LookupReply(lease_id, slots, checksums)
+    generations = _array(data, _LOOKUP_REPLY.size + 16 * n, n, "Q", "lookup reply")
+    return LookupReply(lease_id, slots, checksums, generations)
 
 
 # -------------------------------------------------------------------------------------------- ALLOC

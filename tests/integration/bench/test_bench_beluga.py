@@ -29,5 +29,6 @@ def test_load_part_reads_every_source_and_writes_json(tmp_path: Path) -> None:
     assert all(r["bytes_per_read"] == 4 << 20 and r["gbps"] > 0 for r in rows.values())
     assert rows["memcpy"]["ratio_to_memcpy"] == 1.0
     assert data["pool_load_gbps"] == rows["pool"]["gbps"] and data["memcpy_gbps"] == rows["memcpy"]["gbps"]
+    assert data["pool_cold_gbps"] == rows["pool-cold"]["gbps"]  # first loads (re-loads skip the hashing)
     assert data["rpc_rtt_p50_us"] is None and data["ttft_speedup"] is None  # parts that did not run
     assert "KV load" in result.stdout and "headline" in result.stdout

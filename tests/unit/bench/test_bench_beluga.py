@@ -20,6 +20,7 @@ def _out() -> dict[str, Any]:
     load = [
         {"source": "memcpy", "block_size": 128, "gbps": 12.0},
         {"source": "pool", "block_size": 128, "gbps": 9.0},
+        {"source": "pool-cold", "block_size": 128, "gbps": 6.0},
         {"source": "pool", "block_size": 64, "gbps": 1.0},  # not the headline's block size
         {"source": "remote", "block_size": 128, "gbps": 2.0},
     ]
@@ -52,6 +53,7 @@ def test_headline_from_every_part() -> None:
     assert h["rpc_rtt_p50_us"] == 5.0 and h["nats_rtt_p50_us"] == 400.0 and h["rpc_speedup"] == 80.0
     assert h["rpc_idle_cpu_percent"] == 0.4
     assert h["pool_load_gbps"] == 9.0 and h["memcpy_gbps"] == 12.0 and h["pool_load_ratio"] == 0.75
+    assert h["pool_cold_gbps"] == 6.0 and h["pool_cold_ratio"] == 0.5  # first loads, every block hashed
     assert h["remote_load_gbps"] == 2.0 and h["storage_load_gbps"] is None
     assert h["kv_load_speedup"] == pytest.approx(3.0)  # baseline time / Beluga's
     assert h["ttft_speedup"] == pytest.approx(1.2) and h["ttft_p99_speedup"] == pytest.approx(2.0)

@@ -86,11 +86,50 @@ def test_leases_and_allocations_expire_and_dead_clients_are_released() -> None:
     table.expire(now_ns=2 * SEC)
     assert table.snapshot_stats().num_pinned == 0 and table.stats.expired_leases == 1
     table.expire(now_ns=6 * SEC)
-    assert table.snapshot_stats().num_allocated == 0 and table.snapshot_stats().num_free == 2
+    stats = table.snapshot_stats()  # the expired writer's slot is quarantined until it is known to be gone
+    assert (stats.num_allocated, stats.num_free, stats.num_quarantined) == (0, 1, 1)
+    table.release_owner("dead-writer")
+    assert table.snapshot_stats().num_free == 2 and table.snapshot_stats().num_quarantined == 0
     table.lookup(hashes, "r2", pin=True, lease_ns=100 * SEC, now_ns=0)
     table.alloc(chain(3, 1)[0], [SEED], "r2", lease_ns=100 * SEC, now_ns=0)
     assert table.release_owner("r2") == (1, 1)
     assert table.snapshot_stats().num_pinned == 0 and table.snapshot_stats().num_free == 2
+
+
+def test_every_commit_has_its_own_generation() -> None:
+    table = BlockTable(2, first_generation=500)
+    a, ap = chain(1, 2)
+    write(table, a, ap)
+    first = table.lookup(a, "r", pin=False, lease_ns=SEC, now_ns=0).generations
+    assert first == [500, 501]
+    b, bp = chain(2, 1)
+    slots, evicted = table.alloc(b, bp, "w", lease_ns=SEC, now_ns=0)  # full: a's tail goes
+    assert evicted == [a[1]] and slots == [table.entries[b[0]].slot]
+    table.commit(b, [7], "w")
+    again = table.lookup(b, "r", pin=False, lease_ns=SEC, now_ns=0)
+    assert again.slots == [1] and again.generations == [502]  # the same slot, committed again: new number
+
+
+def test_an_expired_writers_slot_is_not_reused_until_that_writer_stopped() -> None:
+    table = BlockTable(2)
+    h, parents = chain(1, 1)
+    (slow_slot,), _ = table.alloc(h, parents, "slow", lease_ns=SEC, now_ns=0)
+    table.expire(now_ns=2 * SEC)  # the slow writer may still be copying into slow_slot
+    assert h[0] not in table.entries  # its block can be written again, elsewhere
+    (other,), _ = table.alloc(h, parents, "fast", lease_ns=SEC, now_ns=2 * SEC)
+    assert other != slow_slot
+    table.commit(h, [9], "fast")
+    table.lookup(h, "r", pin=True, lease_ns=10 * SEC, now_ns=2 * SEC)  # nothing evictable either
+    assert table.alloc(chain(2, 1)[0], [SEED], "fast", lease_ns=SEC, now_ns=2 * SEC)[0] == [NO_ROOM]
+    assert table.commit(h, [9], "slow") == []  # too late to publish, but it is done copying
+    assert table.snapshot_stats().num_quarantined == 0
+    slots, _ = table.alloc(chain(2, 1)[0], [SEED], "fast", lease_ns=SEC, now_ns=2 * SEC)
+    assert slots == [slow_slot]
+    other_table = BlockTable(1)  # a FREE tells the pool the same
+    other_table.alloc(h, parents, "slow", lease_ns=SEC, now_ns=0)
+    other_table.expire(now_ns=2 * SEC)
+    assert other_table.snapshot_stats().num_quarantined == 1 and other_table.free(h, "slow") == 1
+    assert other_table.snapshot_stats().num_free == 1
 
 
 def test_a_random_workout_keeps_every_invariant() -> None:
@@ -121,7 +160,8 @@ def test_a_random_workout_keeps_every_invariant() -> None:
 def _check(table: BlockTable) -> None:
     slots = [e.slot for e in table.entries.values()]
     assert len(slots) == len(set(slots)), "two blocks share a slot"
-    assert len(slots) + table.snapshot_stats().num_free == table.num_slots, "a slot leaked"
+    stats = table.snapshot_stats()
+    assert len(slots) + stats.num_free + stats.num_quarantined == table.num_slots, "a slot leaked"
     for h, e in table.entries.items():
         children = sum(1 for c in table.entries.values() if c.parent == h and c.state == 2)
         assert e.state != 2 or e.num_children == children, "child count drifted"

@@ -49,7 +49,7 @@ def test_write_then_read_through_the_byte_protocol() -> None:
     reply = ops.decode_lookup_reply(
         ok(pool, "r", Op.LOOKUP, ops.encode_lookup(hashes, pin=True, lease_ms=500))
     )
-    assert reply.slots == slots[:2] and reply.checksums == [101, 102]
+    assert reply.slots == slots[:2] and reply.checksums == [101, 102] and reply.generations == [1, 2]
     assert reply.lease_id > 0
     assert ok(pool, "other", Op.UNPIN, ops.encode_lease(reply.lease_id)) == b"\x00"  # not its lease
     assert ok(pool, "r", Op.UNPIN, ops.encode_lease(reply.lease_id)) == b"\x01"
@@ -87,3 +87,13 @@ def test_a_dead_clients_leases_and_allocations_are_released() -> None:
     pool.release_owner("dead")
     stats = pool.table.snapshot_stats()
     assert (stats.num_pinned, stats.num_allocated, stats.num_committed) == (0, 1, 1)  # "w" still writes 2
+
+
+def test_the_largest_lookup_and_its_reply_fit_the_default_rpc_slot() -> None:
+    from services.cxlpool.config import PoolConfig
+
+    n = ops.MAX_HASHES
+    reply = ops.encode_lookup_reply(1, list(range(n)), [2**64 - 1] * n, [2**63] * n)
+    request = ops.encode_lookup(list(range(n)), pin=True, lease_ms=1)
+    assert max(len(reply), len(request)) <= PoolConfig().rpc_payload_bytes
+    assert ops.decode_lookup_reply(reply).generations == [2**63] * n
