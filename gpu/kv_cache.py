@@ -118,6 +118,13 @@ class PagedKVCache:
 
     # ----------------------------------------------------------------------------------- export / import
 
+    def synchronize(self) -> None:
+        """Wait for every copy queued on the cache's device (CUDA kernels and copies run asynchronously;
+        on the CPU there is nothing to wait for). For timing, not for correctness: the model's own kernels
+        run after the copies on the same stream."""
+        if self.tensor.device.type == "cuda":
+            torch.cuda.synchronize(self.tensor.device)
+
     def export_blocks(self, block_ids: Sequence[int], out: np.ndarray) -> None:
         """Copy Full Blocks into `out`: uint8 [n, num_layers, block_size, bytes_per_token_layer]."""
         shape = (len(block_ids), self.num_layers, self.block_size, self.bytes_per_token_layer)

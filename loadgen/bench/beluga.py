@@ -42,6 +42,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--load-block-sizes", default="64,128,256", help="block sizes (tokens) of the load part")
     p.add_argument("--load-mib", type=int, default=64, help="MiB of KV per load")
     p.add_argument("--load-repeats", type=int, default=7, help="timed loads per source (median reported)")
+    p.add_argument(
+        "--load-device",
+        default="cpu",
+        help="the cache the load part fills: cpu, cuda (layer by layer, as a GPU engine imports), auto",
+    )
     p.add_argument("--docs", type=int, default=d.docs, help="serving: shared documents")
     p.add_argument("--doc-tokens", type=int, default=d.doc_tokens, help="serving: tokens per document")
     p.add_argument("--question-tokens", type=int, default=d.question_tokens, help="serving: per question")
@@ -114,13 +119,13 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
     for block_size in [int(b) for b in args.load_block_sizes.split(",") if b.strip()]:
         full_block = spec.num_layers * block_size * spec.kv_bytes_per_token_layer("float32")
         num_blocks = max(1, (args.load_mib << 20) // full_block)
-        for r in measure_kv_load(block_size, num_blocks, args.load_repeats):
+        for r in measure_kv_load(block_size, num_blocks, args.load_repeats, device=args.load_device):
             rows.append(r.as_dict())
             print(
                 f"{r.source:<15}{r.block_size:>6}{r.layer_block_bytes // 1024:>8}{r.bytes_per_read >> 20:>6}"
                 f"{r.median_s * 1e3:>9.2f}{r.gbps:>8.2f}{r.ratio_to_memcpy:>10.2f}"
             )
-    return {"results": rows}
+    return {"results": rows, "device": args.load_device}
 
 
 def _serve(args: argparse.Namespace) -> dict[str, Any]:

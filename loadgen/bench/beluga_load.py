@@ -18,6 +18,9 @@ one copy per run; on a GPU it goes layer by layer, overlapping compute):
                    then the per-layer import
   import           the same import from a private heap array (the floor of every tier)
   memcpy           one `np.copyto` of the same number of bytes between two heap arrays
+With `--load-device cuda` the cache is in GPU memory and every tier's blocks go in layer by layer as an
+engine on a GPU imports them (the pool: one gather kernel per layer reading the registered, mapped pool;
+the others: one host-to-device copy per layer), and `import` is the same layerwise copy from a heap array.
 Each source is timed from its first request to the blocks being in the cache and the lease given back;
 sources are interleaved per repeat so that machine noise hits them alike; the median is reported. The
 destination is checked against the source blocks after every tier's first read.
@@ -61,11 +64,11 @@ class LoadResult:
         return asdict(self)
 
 
-def measure_kv_load(block_size: int, num_blocks: int, repeats: int) -> list[LoadResult]:
-    return asyncio.run(_measure(block_size, num_blocks, repeats))
+def measure_kv_load(block_size: int, num_blocks: int, repeats: int, device: str = "cpu") -> list[LoadResult]:
+    return asyncio.run(_measure(block_size, num_blocks, repeats, device))
 
 
-async def _measure(block_size: int, num_blocks: int, repeats: int) -> list[LoadResult]:
+async def _measure(block_size: int, num_blocks: int, repeats: int, device: str) -> list[LoadResult]:
     from shared.natsserver import NatsServer
 
     with tempfile.TemporaryDirectory(prefix="kvpath-bench-load-") as tmp:
@@ -73,7 +76,7 @@ async def _measure(block_size: int, num_blocks: int, repeats: int) -> list[LoadR
         nats = NatsServer(store_dir=str(Path(tmp) / "nats"), log_path=str(Path(tmp) / "nats.log"))
         nats.start()
         try:
-            bench = _LoadBench(Path(tmp), nats, block_size, num_blocks)
+            bench = _LoadBench(Path(tmp), nats, block_size, num_blocks, device)
             try:
                 await bench.start()
                 return await bench.run(repeats)
@@ -84,12 +87,14 @@ async def _measure(block_size: int, num_blocks: int, repeats: int) -> list[LoadR
 
 
 class _LoadBench:
-    def __init__(self, tmp: Path, nats: Any, block_size: int, num_blocks: int) -> None:
-        from gpu.model_spec import load_model_spec
+    def __init__(self, tmp: Path, nats: Any, block_size: int, num_blocks: int, device: str) -> None:
+        from gpu.model_spec import load_model_spec, resolve_device
         from services.remotekv.config import DEFAULT_CHUNK_TOKENS
         from services.up.process import ServiceStack
 
         spec = load_model_spec(MODEL)
+        self.device = resolve_device(device)
+        self.layerwise = self.device.startswith("cuda")  # as an engine on a GPU imports
         self.kv_dim = spec.kv_dim
         self.layout = BlockLayout(spec.num_layers, block_size, spec.kv_bytes_per_token_layer("float32"))
         self.chunk_blocks = max(1, DEFAULT_CHUNK_TOKENS // block_size)
@@ -108,7 +113,7 @@ class _LoadBench:
         pool_bytes = 4 * n * layout.full_block_bytes
         self.stack.start(
             "cxlpool", _POOL_ID, "--pool-id", _POOL_ID, "--model", MODEL,
-            "--block-size", str(layout.block_size), "--capacity-bytes", str(pool_bytes),
+            "--block-size", str(layout.block_size), "--capacity-bytes", str(pool_bytes), "--dtype", "float32",
         )  # fmt: skip
         self.stack.start("remotekv", _STORE_ID, "--capacity-bytes", str(pool_bytes), "--kv-backends", "tcp")
         self.stack.start("storage", "storage-0", "--node", "0", "--root", str(self.tmp / "kv"))
@@ -119,7 +124,7 @@ class _LoadBench:
         # blocks [0, n): set A, [n, 2n): set B, [2n, 3n): where every read lands
         self.kv = PagedKVCache(
             num_blocks=3 * n, num_layers=layout.num_layers, block_size=layout.block_size,
-            kv_dim=self.kv_dim, dtype="float32", device="cpu",
+            kv_dim=self.kv_dim, dtype="float32", device=self.device,
         )  # fmt: skip
         rng = np.random.default_rng(0)
         self.kv.import_blocks(
@@ -238,6 +243,7 @@ class _LoadBench:
                 self.kv.tensor[2 * n : 3 * n].zero_()  # (the destination blocks)
                 started = time.perf_counter()
                 expect_set = await runs[source]()
+                self.kv.synchronize()
                 elapsed = time.perf_counter() - started
                 if rep == 0:
                     self._check(source, expect_set)
@@ -269,8 +275,16 @@ class _LoadBench:
             raise RuntimeError(f"kv load bench: {source} did not load the stored blocks")
 
     def _import_heap(self, heap: np.ndarray) -> int:
-        self.kv.import_blocks(self.dest, heap)
+        self._import(heap)
         return 0
+
+    def _import(self, blocks: np.ndarray) -> None:
+        """(blocks, layers, ...) host blocks into the destination: whole blocks, or layer by layer."""
+        if not self.layerwise:
+            self.kv.import_blocks(self.dest, blocks)
+            return
+        for layer in range(self.layout.num_layers):
+            self.kv.import_layer(self.dest, layer, blocks[:, layer])
 
     async def _pool(self, *, verify: bool, cold: bool = False) -> int:
         self.pool.verify_checksums = verify
@@ -280,7 +294,12 @@ class _LoadBench:
         read = await self.pool.read(self.seqs[0], self.num_blocks)
         if read is None or read.num_blocks != self.num_blocks:
             raise RuntimeError(f"pool held {read.num_blocks if read else 0} of {self.num_blocks} blocks")
-        self.pool.import_blocks(self.dest, read)
+        if self.layerwise:
+            for layer in range(self.layout.num_layers):
+                self.pool.import_layer(self.dest, read, layer)
+        else:
+            self.pool.import_blocks(self.dest, read)
+        self.kv.synchronize()  # the gather kernels read the leased slots: done before the lease ends
         self.pool.release(read)
         hashed = self.pool.verified.num_hashed - hashed
         if verify and hashed != (self.num_blocks if cold else 0):
@@ -292,7 +311,11 @@ class _LoadBench:
         if read is None or read.num_blocks != self.num_blocks:
             got = read.num_blocks if read else 0
             raise RuntimeError(f"remote store held {got} of {self.num_blocks} blocks")
-        self.remote.import_blocks(self.dest, read)
+        if self.layerwise:
+            for layer in range(self.layout.num_layers):
+                self.remote.import_layer(self.dest, read, layer)
+        else:
+            self.remote.import_blocks(self.dest, read)
         self.remote.release(read)
         return which
 
@@ -309,7 +332,7 @@ class _LoadBench:
         try:
             if lease.num_blocks != self.num_blocks:
                 raise RuntimeError(f"storage held {lease.num_blocks} of {self.num_blocks} blocks")
-            self.kv.import_blocks(self.dest, lease.views)
+            self._import(lease.views)
         finally:
             await lease.release()
         return 0
