@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.background import Background
 from shared.bus import Bus
 from shared.errors import KvpathError
 from shared.kvclient import KvEventPublisher
@@ -139,7 +140,7 @@ class ChunkEvents:
         self.publisher = KvEventPublisher(bus, f"held-{engine_id}")
         self.seed = seed
         self.block_tokens = block_tokens
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._background = Background()
 
     async def start(self) -> None:
         try:
@@ -164,15 +165,10 @@ class ChunkEvents:
             except KvpathError as exc:
                 log.warning("held-chunk event for %s not published: %s", self.location, exc.message)
 
-        task = asyncio.create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._background.keep(run())
 
     async def close(self) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=CLOSE_WAIT_S)
-        for task in list(self._tasks):
-            task.cancel()
+        await self._background.close(grace_s=CLOSE_WAIT_S)
         try:
             await asyncio.wait_for(self.publisher.cleared([self.location], reason="released"), CLOSE_WAIT_S)
         except (KvpathError, TimeoutError) as exc:

@@ -7,7 +7,6 @@ not read; it never fails because of storage.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable
@@ -16,6 +15,7 @@ from typing import Any
 from services.engine import metrics
 from services.engine.persist import BlockPersister
 from services.engine.sequence import Sequence
+from shared.background import Background
 from shared.blocks import BlockLayout
 from shared.bus import Bus
 from shared.errors import KvpathError
@@ -29,7 +29,7 @@ class NodeStorage:
         self.layout = BlockLayout(runner.spec.num_layers, block_size, runner.kv.bytes_per_token_layer)
         self.client = StorageClient(bus, node, self.layout, runner.fingerprint, owner_id=engine_id)
         self.persister = BlockPersister(self.client, IndexClient(bus), runner.kv, block_size)
-        self._tasks: set[asyncio.Future[Any]] = set()
+        self._background = Background()
 
     @property
     def node(self) -> int:
@@ -39,17 +39,13 @@ class NodeStorage:
         await self.client.start()
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._background.close()
         await self.persister.close()
         await self.client.close()
 
     def keep(self, work: Awaitable[Any]) -> None:
         """Run `work` in the background; close() cancels it if it is still running."""
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._background.keep(work)
 
     def release(self, lease: ReadLease | None) -> None:
         """Give a read lease back (in the background)."""

@@ -7,12 +7,12 @@ the step loop never blocks on it. `close` gives those tasks a bounded time to fi
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from shared.background import Background
 from shared.protocol import TokenBatch, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ class TokenOutbox:
         self.engine_id = engine_id
         self.publish = publish
         self.step = 0
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = Background()
 
     def run_detached(self, wait: Awaitable[None] | None) -> None:
         """A wait whose delta is never sent (nobody expects one) still runs to completion."""
@@ -62,15 +62,10 @@ class TokenOutbox:
         await self._publish(router_id, [delta])
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background.keep(coro)
 
     async def close(self) -> None:
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=CLOSE_WAIT_S)
-        for task in list(self._background):
-            task.cancel()
+        await self._background.close(grace_s=CLOSE_WAIT_S)
 
 
 async def _await(wait: Awaitable[None]) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from services.engine import metrics
 from services.engine.sequence import Sequence
 from shared import telemetry
+from shared.background import Background
 from shared.errors import KvpathError
 from shared.hashing import chain_root, fingerprint_seed, next_block_hash
 from shared.kvclient import IndexClient, StagedBlocks, StorageClient
@@ -65,7 +66,7 @@ class BlockPersister:
         self.kv = kv
         self.block_size = block_size
         self.seed = fingerprint_seed(client.fingerprint)
-        self._tasks: set[asyncio.Future[Any]] = set()  # every write in flight (cancelled on close)
+        self._background = Background()  # every write in flight (cancelled on close)
         self.index_lagging = False  # requests do not wait on the index (a probe watches it catch up)
 
     def persist(self, seq: Sequence, chain: PersistChain) -> None:
@@ -89,8 +90,7 @@ class BlockPersister:
         context = telemetry.task_context(seq.trace.parent) if seq.trace is not None else None
         write = asyncio.create_task(self._write(seq.request_id, staged, hashes, parents), context=context)
         chain.writes.append(write)
-        self._tasks.add(write)
-        write.add_done_callback(self._tasks.discard)
+        self._background.keep(write)
 
     async def _write(
         self, request_id: str, staged: StagedBlocks, hashes: list[int], parents: list[int]
@@ -126,7 +126,7 @@ class BlockPersister:
                 if not self.index_lagging:
                     log.warning("index lags (%s): requests stop waiting for it until it is back", exc.message)
                     self.index_lagging = True
-                    self._spawn(self._watch_index(last))
+                    self._background.keep(self._watch_index(last))
 
     async def _watch_index(self, stream_seq: int) -> None:
         """Until the index applied `stream_seq`: then requests wait for it again."""
@@ -139,13 +139,5 @@ class BlockPersister:
             self.index_lagging = False
             return
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def close(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._background.close()

@@ -30,6 +30,7 @@ import xxhash
 from gpu import host_gather
 from services.engine import metrics
 from services.engine.sequence import Sequence
+from shared.background import Background
 from shared.blocks import BlockLayout
 from shared.cxl.pool_client import PoolClient
 from shared.cxl.pool_memory import PoolMemory
@@ -104,7 +105,7 @@ class PoolTier:
         self.verify_checksums = verify_checksums
         self.verified = VerifiedSlots(self.memory.geometry.num_slots)
         self.lease_ms = lease_ms
-        self._tasks: set[asyncio.Future[Any]] = set()
+        self._background = Background()
         self._copier: Any = (
             None  # CUDA: one kernel launch per layer of a read, per write (gpu/host_gather.py)
         )
@@ -240,17 +241,10 @@ class PoolTier:
             log.warning("pool commit failed request_id=%s: %s", request_id, exc.message)
 
     def _keep(self, work: Awaitable[Any]) -> asyncio.Future[Any]:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._background.keep(work)
 
     async def close(self) -> None:
-        tasks = list(self._tasks)
-        if tasks:
-            await asyncio.wait(tasks, timeout=1.0)
-        for task in tasks:
-            task.cancel()
+        await self._background.close(grace_s=1.0)
         if self._registered is not None:
             self._registered.close()
         self.client.close()

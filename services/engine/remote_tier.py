@@ -31,6 +31,7 @@ from services.engine.remote_cache import CacheEntry, SuperBlockCache, chunk_keys
 from services.engine.remote_client import RemoteStoreClient
 from services.engine.remote_events import CacheAnnouncer
 from services.engine.sequence import Sequence
+from shared.background import Background
 from shared.blocks import BlockLayout, full_blocks_view
 from shared.errors import ConfigError, KvpathError, ServiceUnavailableError
 from shared.hashing import chain_root
@@ -89,7 +90,7 @@ class RemoteTier:
         client.sender.register_memory(self.arena)  # rdma: uploads from any slot without per-op MRs
         self._reads: dict[int, RemoteRead] = {}
         self._lease_ids = itertools.count(1)
-        self._tasks: set[asyncio.Future[Any]] = set()
+        self._background = Background()
         self._quarantine: set[asyncio.TimerHandle] = set()
         metrics.REMOTE_CACHE_USED_BYTES.set_function(lambda: len(self.cache) * self.chunk_bytes)
 
@@ -286,21 +287,13 @@ class RemoteTier:
         self._quarantine.add(handle)
 
     def _keep(self, work: Awaitable[Any]) -> asyncio.Future[Any]:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._background.keep(work)
 
     async def close(self) -> None:
         for handle in self._quarantine:
             handle.cancel()
         self._quarantine.clear()
-        tasks = list(self._tasks)
-        if tasks:
-            await asyncio.wait(tasks, timeout=1.0)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._background.close(grace_s=1.0)
         await self.announcer.close()
         await self.client.close()
         self._reads.clear()

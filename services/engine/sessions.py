@@ -18,11 +18,10 @@ Ownership: an entry belongs to the cache while the session is idle; `take` hands
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +29,7 @@ import numpy as np
 
 from services.engine import metrics
 from services.engine.location_events import CLOSE_WAIT_S, LocationAnnouncer
+from shared.background import Background
 from shared.bus import Bus
 from shared.errors import KvpathError
 
@@ -89,7 +89,7 @@ class SessionCache:
         self.announcer = announcer
         self._entries: OrderedDict[str, ResidentKv] = OrderedDict()
         self.num_blocks = 0
-        self._tasks: set[asyncio.Future[Any]] = set()
+        self._background = Background()
         metrics.SESSION_RESIDENT_BLOCKS.set_function(lambda: self.num_blocks)
 
     def __len__(self) -> int:
@@ -136,25 +136,15 @@ class SessionCache:
         self.num_blocks -= len(entry.block_ids)
         self.kv.free(entry.block_ids)
         if announce_removed and entry.block_hashes and self.announcer is not None:
-            self._keep_task(self.announcer.removed(entry.block_hashes))
+            self._background.keep(self.announcer.removed(entry.block_hashes))
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Blocks a turn took with its session's KV but does not need (past the common prefix)."""
         if block_ids:
             self.kv.free(list(block_ids))
 
-    def _keep_task(self, work: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def close(self) -> None:
-        tasks = list(self._tasks)
-        if tasks:
-            await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._background.close(grace_s=CLOSE_WAIT_S)
         for entry in list(self._entries.values()):
             self._drop(entry, announce_removed=False)
         if self.announcer is not None:

@@ -5,7 +5,6 @@ goes through `PoolCore.handle`, as the CXL-RPC server's thread would run it)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import Iterator
@@ -122,7 +121,7 @@ async def _load(tier: PoolTier, kv: PagedKVCache, seq: Sequence) -> np.ndarray |
     dest = list(range(10, 10 + read.num_blocks))
     tier.import_blocks(dest, read)
     tier.release(read)
-    await asyncio.wait(list(tier._tasks))  # the unpin (in the background)
+    assert await tier._background.settled(5.0)  # the unpin (in the background)
     out = np.empty((read.num_blocks, *LAYOUT.shape), dtype=np.uint8)
     kv.export_blocks(dest, out)
     return out
