@@ -33,6 +33,7 @@ from gpu.runner import LayerHook
 from services.engine.scheduler import PrefillChunk
 from services.engine.sequence import Sequence
 from shared.errors import InvalidRequestError, KvpathError
+from shared.protocol import RouteCapability
 from shared.protocol.tasks import BufferRef, GenerateTask, PullHits, PullHitsReply, Task
 
 
@@ -112,6 +113,11 @@ class KvConnector(abc.ABC):
 
     def stats(self) -> dict[str, float]:
         return {}
+
+    def route_capability(self) -> RouteCapability | None:
+        """What the load report says of move-the-query's route protocol (None: this engine does not speak
+        it)."""
+        return None
 
 
 class NullConnector(KvConnector):

@@ -384,7 +384,8 @@ class EngineCore:
             "free_kv_blocks": self.runner.kv.num_free_blocks,
             "total_kv_blocks": self.runner.kv.num_blocks,
             # KV the queued requests will need (their tokens, less a routed chunk's placeholder blocks)
-            "rates": {"prefill_tokens_per_s": self.prefill_rate.value, "waiting_kv_tokens": float(waiting)},
+            "waiting_kv_tokens": waiting,
+            "rates": {"prefill_tokens_per_s": self.prefill_rate.value},
         }
 
 

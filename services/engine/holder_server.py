@@ -293,10 +293,11 @@ class HolderServer:
 
     # ------------------------------------------------------------------------------------------ reports
 
-    def rates(self) -> dict[str, float]:
+    def report(self) -> dict[str, Any]:
+        """The holder's part of the load report's `RouteCapability`."""
         return {
-            "mq_holder_queue_s": self.batcher.queue_s,
-            "mq_holder_compute_s": self.batcher.compute_s,
-            "mq_holder_sessions": float(len(self._sessions)),
-            "mq_held_blocks": float(self.held.num_blocks),
+            "holder_queue_s": self.batcher.queue_s,
+            "holder_compute_s": self.batcher.compute_s,
+            "num_holder_sessions": len(self._sessions),
+            "num_held_blocks": self.held.num_blocks,
         }

@@ -32,12 +32,13 @@ from services.engine.holder import ChunkEvents, HeldChunk, HeldChunks
 from services.engine.holder_server import HolderServer
 from services.engine.persist import PersistChain
 from services.engine.route_session import ReplyArea, RouteContext, RouteSession
-from services.engine.route_shape import partial_bytes_per_token, query_bytes_per_token, shape_rates
+from services.engine.route_shape import partial_bytes_per_token, query_bytes_per_token, route_capability
 from services.engine.scheduler import PrefillChunk
 from services.engine.sequence import Sequence
 from shared.blocks import max_hit_blocks
 from shared.errors import KvpathError
 from shared.hashing import fingerprint_seed
+from shared.protocol import RouteCapability
 from shared.protocol.movequery import HeldPrefix
 from shared.protocol.tasks import BufferRef, PullHits, PullHitsReply, Task
 
@@ -237,12 +238,11 @@ class RouteConnector(KvConnector):
         return await self.inner.serve_pull(seq, msg)
 
     def stats(self) -> dict[str, float]:
-        rates = dict(self.inner.stats())
-        rates.update(shape_rates(self.runner))
-        rates["mq_route"] = 1.0  # this engine speaks the route protocol
-        if self.holder is not None:
-            rates.update(self.holder.rates())
-        return rates
+        return self.inner.stats()
+
+    def route_capability(self) -> RouteCapability:
+        holder = self.holder.report() if self.holder is not None else {}
+        return route_capability(self.runner, **holder)
 
 
 def build_route_connector(config: Any, service: Any, inner: KvConnector) -> RouteConnector:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.policy.movequery import ModelShape
+from shared.protocol import RouteCapability
 
 PARTIAL_BYTES = 4  # (o, m, l) travel as fp32
 
@@ -40,13 +41,15 @@ def partial_bytes_per_token(runner: Any) -> int:
     return shape.rows_per_token * shape.partial_bytes_per_row
 
 
-def shape_rates(runner: Any) -> dict[str, float]:
-    """The shape as load-report rates (`mq_*`), so the router prices routes without the model."""
+def route_capability(runner: Any, **holder: Any) -> RouteCapability:
+    """The shape in the load report, so the router prices routes without the model; `holder`: a holder's
+    queue and counts (`RouteCapability`'s holder fields)."""
     shape = model_shape(runner)
-    return {
-        "mq_layers": float(shape.num_layers),
-        "mq_rows_per_token": float(shape.rows_per_token),
-        "mq_query_bytes_per_row": float(shape.query_bytes_per_row),
-        "mq_partial_bytes_per_row": float(shape.partial_bytes_per_row),
-        "mq_kv_bytes_per_token_layer": float(shape.kv_bytes_per_token_layer),
-    }
+    return RouteCapability(
+        num_layers=shape.num_layers,
+        rows_per_token=shape.rows_per_token,
+        query_bytes_per_row=shape.query_bytes_per_row,
+        partial_bytes_per_row=shape.partial_bytes_per_row,
+        kv_bytes_per_token_layer=shape.kv_bytes_per_token_layer,
+        **holder,
+    )

@@ -130,6 +130,7 @@ class EngineService(Service):
             sent_at=time.time(),
             is_draining=self.core.is_draining or self.status != "ready",
             kv_format=self.core.kv_format,
+            route=self.connector.route_capability() if self.connector is not None else None,
             **load,
         )
 

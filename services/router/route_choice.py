@@ -39,13 +39,6 @@ from shared.protocol.tasks import RequestPlan
 log = logging.getLogger(__name__)
 
 MODES = ("", "auto", "route", "fetch", "local")
-_SHAPE_RATES = {
-    "num_layers": "mq_layers",
-    "rows_per_token": "mq_rows_per_token",
-    "query_bytes_per_row": "mq_query_bytes_per_row",
-    "partial_bytes_per_row": "mq_partial_bytes_per_row",
-    "kv_bytes_per_token_layer": "mq_kv_bytes_per_token_layer",
-}
 
 
 def load_profile(path: str) -> CostProfile | None:
@@ -75,7 +68,7 @@ class HeldRouting:
         for location, n in locality.items():
             tier, _, engine_id = location.partition(":")
             state = self.engines.get(engine_id) if tier == HELD_TIER and n > 0 else None
-            if state is not None and state.report.rates.get("mq_route") and not state.report.is_draining:
+            if state is not None and state.report.route is not None and not state.report.is_draining:
                 out[engine_id] = n
         return out
 
@@ -97,8 +90,7 @@ class HeldRouting:
         if state is None:
             return 0
         block_size = self.engines.kv_format.block_size if self.engines.kv_format else 1
-        waiting = int(state.report.rates.get("waiting_kv_tokens", 0.0))
-        return state.snapshot(block_size).free_kv_tokens - waiting
+        return state.snapshot(block_size).free_kv_tokens - state.report.waiting_kv_tokens
 
     def apply(self, plan: RequestPlan, engine_id: str, locality: Mapping[str, int]) -> None:
         """Set `plan.kv.held` for the engine the request goes to (cleared when nothing is held elsewhere) and
@@ -106,16 +98,22 @@ class HeldRouting:
         plan.kv.held = None
         requester = self.engines.get(engine_id)
         holders = {h: n for h, n in self.holders(locality).items() if h != engine_id}
-        if not holders or requester is None or not requester.report.rates.get("mq_route"):
+        if not holders or requester is None or requester.report.route is None:
             return
         holder_id, n = max(holders.items(), key=lambda item: item[1])
         block_size = self.engines.kv_format.block_size if self.engines.kv_format else 1
         n = min(n, max_hit_blocks(plan.num_prompt_tokens, block_size))
         holder = self.engines.get(holder_id)
-        assert holder is not None
-        rates = holder.report.rates
-        shape = ModelShape(**{k: int(rates.get(v, 0)) for k, v in _SHAPE_RATES.items()})
-        if n <= 0 or shape.num_layers <= 0 or shape.rows_per_token <= 0:
+        assert holder is not None and holder.report.route is not None  # `holders` keeps only such engines
+        route = holder.report.route
+        shape = ModelShape(
+            route.num_layers,
+            route.rows_per_token,
+            route.query_bytes_per_row,
+            route.partial_bytes_per_row,
+            route.kv_bytes_per_token_layer,
+        )
+        if n <= 0:
             return
         num_store = min(n, locality.get("store", 0))
         chunk = n * block_size
@@ -124,12 +122,12 @@ class HeldRouting:
             new_tokens=plan.num_prompt_tokens - chunk,
             decode_steps=plan.sampling.max_tokens,
             free_kv_tokens=self.free_kv_tokens(engine_id),
-            holder_queue_s=float(rates.get("mq_holder_queue_s", 0.0)),
+            holder_queue_s=route.holder_queue_s,
             can_fetch=num_store >= n,
         )
         primitive = self._primitive(self.profile or fallback_profile(shape), request)
         plan.kv.held = self._held(plan, holder_id, n, num_store, primitive, shape)
-        requester.pending_kv_tokens += resident_kv_tokens(primitive, request)
+        self.engines.note_kv_reserved(engine_id, resident_kv_tokens(primitive, request))
         metrics.MOVEQUERY_CHOICES.labels(str(primitive)).inc()
 
     def _primitive(self, profile: CostProfile, request: RouteRequest) -> Primitive:

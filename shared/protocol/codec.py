@@ -204,6 +204,8 @@ def _union_checker(args: tuple[Any, ...]) -> _Checker:
     def check_union(v: Any, p: str) -> Any:
         if v is None and nullable:
             return None
+        if len(inner) == 1:  # `X | None`: X's own error names the field at fault
+            return inner[0](v, p)
         for c in inner:
             try:
                 return c(v, p)

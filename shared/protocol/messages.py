@@ -49,6 +49,35 @@ class KvFormat(Message):
 
 
 @message
+class RouteCapability(Message):
+    """An engine that speaks move-the-query's route protocol (`--move-query`): the served model's shape, which
+    prices a route without the model (`services/policy/movequery.ModelShape`), and, on a holder of chunks, its
+    queue now."""
+
+    KIND = "route_capability"
+    RANGES = {
+        "num_layers": (1, None),
+        "rows_per_token": (1, None),
+        "query_bytes_per_row": (1, None),
+        "partial_bytes_per_row": (1, None),
+        "kv_bytes_per_token_layer": (1, None),
+        "holder_queue_s": (0.0, None),
+        "holder_compute_s": (0.0, None),
+        "num_holder_sessions": (0, None),
+        "num_held_blocks": (0, None),
+    }
+    num_layers: int
+    rows_per_token: int  # query rows per token (its query heads)
+    query_bytes_per_row: int
+    partial_bytes_per_row: int
+    kv_bytes_per_token_layer: int
+    holder_queue_s: float = 0.0  # how long the holder's queue holds an exchange now (0: not a holder)
+    holder_compute_s: float = 0.0  # its last attention call per exchange
+    num_holder_sessions: int = 0
+    num_held_blocks: int = 0
+
+
+@message
 class ServiceInfo(Message):
     """Registry value of one live service, refreshed by its heartbeat."""
 
@@ -74,6 +103,7 @@ class LoadReport(Message):
     """Periodic load of a service. Engines fill the scheduling fields, storage the read-queue ones."""
 
     KIND = "load_report"
+    RANGES = {"waiting_kv_tokens": (0, None)}
     service_id: str
     role: str
     node: int
@@ -88,6 +118,8 @@ class LoadReport(Message):
     read_queue_bytes: int = 0
     is_draining: bool = False
     rates: dict[str, float] = field(default_factory=dict)  # measured rates, e.g. prefill_tokens_per_s
+    waiting_kv_tokens: int = 0  # engines: KV tokens the requests queued on it will need
+    route: RouteCapability | None = None  # engines speaking move-the-query's route protocol
     kv_format: KvFormat | None = None  # engines: the KV their cache holds
     # when this process of the service started (unix s): a new value under the same id is a restart, and
     # whatever the old process was serving is lost

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import orjson
 import pytest
 
@@ -10,7 +12,9 @@ from shared.protocol import (
     Abort,
     GenerateTask,
     KvPlan,
+    LoadReport,
     RequestPlan,
+    RouteCapability,
     SamplingParams,
     Subjects,
     TokenBatch,
@@ -192,3 +196,32 @@ def test_forged_kv_events_are_rejected(event: BlockStored | BlockRemoved, fragme
         source="s", epoch=1, seq=1, location="hbm:engine-1", block_hashes=[1, 2], parent_hashes=[0, 1]
     )
     assert decode(encode(good), BlockStored) == good
+
+
+def _report(**fields: object) -> LoadReport:
+    return LoadReport(service_id="e0", role="colocated", node=0, seq=1, sent_at=0.0, **fields)  # type: ignore[arg-type]
+
+
+ROUTE = RouteCapability(
+    num_layers=4,
+    rows_per_token=8,
+    query_bytes_per_row=128,
+    partial_bytes_per_row=136,
+    kv_bytes_per_token_layer=512,
+)
+
+
+@pytest.mark.parametrize(
+    ("report", "fragment"),
+    [
+        (_report(waiting_kv_tokens=-1), "waiting_kv_tokens"),
+        (_report(route=dataclasses.replace(ROUTE, num_layers=0)), "num_layers"),
+        (_report(route=dataclasses.replace(ROUTE, holder_queue_s=-0.5)), "holder_queue_s"),
+    ],
+)
+def test_load_reports_typed_fields_are_checked_on_receipt(report: LoadReport, fragment: str) -> None:
+    with pytest.raises(ProtocolError) as err:
+        decode(encode(report), LoadReport)
+    assert fragment in err.value.message
+    good = _report(waiting_kv_tokens=3000, route=ROUTE)
+    assert decode(encode(good), LoadReport) == good

@@ -10,32 +10,30 @@ import pytest
 
 from services.router.engines import EngineTable
 from services.router.route_choice import HeldRouting
-from shared.protocol import KvFormat, LoadReport
+from shared.protocol import KvFormat, LoadReport, RouteCapability
 from shared.protocol.messages import SamplingParams
 from shared.protocol.tasks import KvPlan, RequestPlan
 
 FMT = KvFormat(fingerprint="tiny;dtype=float32;block_size=64", block_size=64, bytes_per_token=4096)
-SHAPE = {  # the tiny model's load-report rates (services/engine/route_shape.py)
-    "mq_route": 1.0,
-    "mq_layers": 4.0,
-    "mq_rows_per_token": 8.0,
-    "mq_query_bytes_per_row": 128.0,
-    "mq_partial_bytes_per_row": 136.0,
-    "mq_kv_bytes_per_token_layer": 512.0,
-}
+ROUTE = RouteCapability(  # the tiny model's shape (services/engine/route_shape.py)
+    num_layers=4,
+    rows_per_token=8,
+    query_bytes_per_row=128,
+    partial_bytes_per_row=136,
+    kv_bytes_per_token_layer=512,
+)
 
 
 def table(
     *,
-    holder_rates: dict[str, float] | None = None,
+    holder_speaks: bool = True,
     draining: bool = False,
     free_kv_blocks: int = 1000,
-    requester_rates: dict[str, float] | None = None,
+    waiting: dict[str, int] | None = None,
 ) -> EngineTable:
     engines = EngineTable(silence_timeout_s=3.0)
     now = time.monotonic()
-    e0_rates = SHAPE if holder_rates is None else holder_rates
-    for engine_id, rates in (("e0", e0_rates), ("e1", {**SHAPE, **(requester_rates or {})})):
+    for engine_id in ("e0", "e1"):
         report = LoadReport(
             service_id=engine_id,
             role="colocated",
@@ -44,7 +42,8 @@ def table(
             sent_at=0.0,
             free_kv_blocks=free_kv_blocks,
             kv_format=FMT,
-            rates=dict(rates),
+            waiting_kv_tokens=(waiting or {}).get(engine_id, 0),
+            route=ROUTE if holder_speaks or engine_id != "e0" else None,
             is_draining=draining and engine_id == "e0",
         )
         engines.update(report, now=now)
@@ -90,7 +89,7 @@ def test_nothing_to_route() -> None:
         p = plan(64 * 8 + 30, 16)
         routing.apply(p, engine_id, locality)  # the holder itself, nothing held, a holder that is not live
         assert p.kv.held is None
-    for engines in (table(holder_rates={}), table(draining=True)):  # speaks no route protocol; draining
+    for engines in (table(holder_speaks=False), table(draining=True)):  # speaks no route protocol; draining
         p = plan(64 * 8 + 30, 16)
         HeldRouting(engines, mode="route", profile=None, fabric="shm").apply(p, "e1", {"held:e0": 8})
         assert p.kv.held is None
@@ -111,11 +110,11 @@ def test_auto_routes_the_burst_the_requester_cannot_hold_copies_for() -> None:
         choices.append(p.kv.held.primitive)
     assert choices == ["fetch", "route", "route", "route", "route", "route"]
     assert routing.free_kv_tokens("e1") == 96 * 64 - (2048 + 332) - 5 * 332
-    queued = table(free_kv_blocks=96, requester_rates={"waiting_kv_tokens": 3000.0})
+    queued = table(free_kv_blocks=96, waiting={"e1": 3000})
     p = plan(64 * 32 + 300, 32, hits=32)
     HeldRouting(queued, mode="auto", profile=None, fabric="shm").apply(p, "e1", locality)
     assert p.kv.held is not None and p.kv.held.primitive == "route"
     assert routing.avoid(locality, plan(64 * 32 + 300, 32)) == set()  # the holder has room for it
-    full = table(free_kv_blocks=96, holder_rates={**SHAPE, "waiting_kv_tokens": 6000.0})
+    full = table(free_kv_blocks=96, waiting={"e0": 6000})
     full_holder = HeldRouting(full, mode="auto", profile=None, fabric="shm")
     assert full_holder.avoid(locality, plan(64 * 32 + 300, 32)) == {"e0"}
