@@ -7,6 +7,7 @@
   tracing    serving throughput with tracing on vs off                             tracing.py
   storage    storage read throughput: service path vs raw file reads               storage.py
   index      index memory per block and prefix-match latency                       index.py
+  placement  the live router's placement round at paper scale (no processes)         placement.py
   transport  KV data plane throughput: shm, tcp, plain socket                      transport.py
   model      model runtime tokens/s next to transformers (timing in gpu/timing.py)  model.py
   beluga     the KV pool vs a remote pool and NATS: RPC, KV load, serving, simulator beluga.py (beluga_rpc.py,
@@ -39,6 +40,7 @@ def register(subparsers: Any) -> None:
         index,
         model,
         movequery,
+        placement,
         router,
         serve,
         storage,
@@ -48,8 +50,21 @@ def register(subparsers: Any) -> None:
 
     bench = subparsers.add_parser("bench", help="benchmarks (print numbers)")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for module in (model, transport, storage, index, serve, router, dualpath, beluga, tracing, ampd, faults):
+    for module in (
+        model,
+        transport,
+        storage,
+        index,
+        placement,
+        serve,
+        router,
+        dualpath,
+        beluga,
+        tracing,
+        ampd,
+    ):
         module.register(bench_sub)
+    faults.register(bench_sub)
     movequery.register(bench_sub)
     auto.register(bench_sub)
     agent.register(bench_sub)

@@ -4,6 +4,10 @@
 ~100 for a Python dict of ints. Every operation takes a batch of keys and runs as a few numpy passes per
 probe step, so a 512-hash lookup costs tens of microseconds and no Python loop runs per key.
 Keys are block hashes (already uniform); a Fibonacci multiply picks the home slot from the high bits.
+
+Invariant (what lets `prefix_values` trust one row compare): a slot without a live entry holds a key that is
+not homed in its bucket (`_vacant_key`: 0, or 1 in bucket 0, the only bucket key 0 is homed in), so a key
+occurs at most once in its home bucket's row, and only as a live entry.
 """
 
 from __future__ import annotations
@@ -16,6 +20,19 @@ _MAX_LOAD = 0.5
 _MIN_CAPACITY = 1024
 _BUCKET_BITS = 3
 _BUCKET = 1 << _BUCKET_BITS  # slots per home bucket: one 64-byte line of keys
+_LINE = 64  # bytes: arrays start on a cache line, so a bucket's keys are one line, not two
+
+
+def _zeros_aligned(size: int, dtype: type[np.generic]) -> np.ndarray:
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.zeros(size * itemsize + _LINE, dtype=np.uint8)
+    start = -raw.ctypes.data % _LINE
+    return raw[start : start + size * itemsize].view(dtype)
+
+
+def _vacant_key(slots: np.ndarray) -> np.ndarray:
+    """The key a slot holds once it holds no entry: one not homed in its bucket (see the invariant)."""
+    return (slots < _BUCKET).astype(np.uint64)  # home(1) is never bucket 0 (the multiplier's top bit is 1)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -42,11 +59,12 @@ class U64Table:
 
     def _allocate(self, capacity: int) -> None:
         self._bits = capacity.bit_length() - 1
-        self.keys = np.zeros(capacity, dtype=np.uint64)
-        self.values = np.zeros(capacity, dtype=np.uint64)
+        self.keys = _zeros_aligned(capacity, np.uint64)
+        self.keys[:_BUCKET] = 1  # vacant slots of bucket 0 (`_vacant_key`)
+        self.values = _zeros_aligned(capacity, np.uint64)
         self._key_rows = self.keys.reshape(-1, _BUCKET)  # a view: bucket b is row b
         self._bucket_shift = np.uint64(64 - self._bits + _BUCKET_BITS)
-        self.states = np.zeros(capacity, dtype=np.uint8)
+        self.states = _zeros_aligned(capacity, np.uint8)
         self._state_rows = self.states.reshape(-1, _BUCKET)
         self.num_live = 0
         self.num_tombstones = 0
@@ -98,34 +116,36 @@ class U64Table:
     def prefix_values(self, keys: np.ndarray) -> np.ndarray:
         """Values of the leading present keys of a chain (stops at the first absent one).
 
-        The hot path of a prefix match, about ten numpy calls for the whole chain and no Python per key:
-        each key's home bucket is read as one row (`take` of a contiguous 2D view); a full slot always
-        holds a non-zero value, so key and value alone say "present". Keys that overflowed their bucket
-        (rare at load <= 1/2) fall back to `find`.
+        The hot path of a prefix match: nine numpy calls for the whole chain and no Python per key. Each
+        key's home bucket is read as one row (`take` of a contiguous 2D view, one cache line) and compared
+        with the key; by the module's invariant a key matches at most once in that row and only where it
+        is live, so as many matches as keys means every key is present in its home bucket (the common
+        case at load <= 1/2). Otherwise `_resolve_prefix` finds the first key outside its bucket.
         """
         if keys.size == 0 or self.num_live == 0:
             return np.zeros(0, dtype=np.uint64)
         buckets = keys * _GOLDEN  # the home buckets, in place from here on (no temporaries)
         buckets >>= self._bucket_shift
-        match = self._key_rows.take(buckets, axis=0) == keys[:, None]
-        hits = match.view(np.uint64).ravel()  # per key, one byte per slot of its bucket: 0 = not there
-        slots = buckets.astype(np.int64)
+        slots = buckets.view(np.int64)
+        match = self._key_rows.take(slots, axis=0) == keys[:, None]
+        if np.count_nonzero(match) != keys.size:
+            return self._resolve_prefix(keys, slots, match)
         slots <<= _BUCKET_BITS
         slots += match.argmax(axis=1)
+        return self.values.take(slots)
+
+    def _resolve_prefix(self, keys: np.ndarray, buckets: np.ndarray, match: np.ndarray) -> np.ndarray:
+        """`prefix_values` when some key is not in its home bucket: absent, or pushed into a later one."""
+        in_bucket = match.any(axis=1)
+        first = int(np.argmin(in_bucket))  # the first key not in its home bucket
+        slots = (buckets[:first] << _BUCKET_BITS) + match[:first].argmax(axis=1)
         values = self.values.take(slots)
-        if hits.all() and values.all():
-            return values
-        in_bucket = hits != 0
-        values[~in_bucket] = 0  # elsewhere, absent, or only a tombstone of it here: resolve below
-        first = int(np.argmin(values != 0))
-        if not in_bucket[first] and (self._state_rows[buckets[first]] == _EMPTY).any():
-            return values[:first]  # probing stops at an empty slot: this key is absent
+        if (self._state_rows[buckets[first]] == _EMPTY).any():
+            return values  # probing stops at an empty slot: this key is absent
         rest = self.find(keys[first:], prefix_only=True)
         absent = rest < 0
-        end = first + (int(np.argmax(absent)) if absent.any() else rest.size)
-        values = values[:end]
-        values[first:] = self.values[rest[: end - first]]
-        return values
+        end = int(np.argmax(absent)) if absent.any() else rest.size
+        return np.concatenate((values, self.values[rest[:end]]))
 
     def get(self, keys: np.ndarray, *, prefix_only: bool = False) -> np.ndarray:
         """Value of each key, 0 where absent (see `find` for `prefix_only`)."""
@@ -169,6 +189,7 @@ class U64Table:
     def _delete_zeros(self, slots: np.ndarray) -> int:
         dead = slots[self.values[slots] == 0]
         self.states[dead] = _TOMB
+        self.keys[dead] = _vacant_key(dead)
         self.num_live -= int(dead.size)
         self.num_tombstones += int(dead.size)
         return int(dead.size)

@@ -25,6 +25,7 @@ from shared.protocol.kv import BlockRemoved, BlockStored, Cleared, KvEvent, loca
 log = logging.getLogger(__name__)
 
 MAX_LOCATIONS = 64
+_MAX_CACHED_HOLDERS = 4096  # distinct location masks remembered by `match` (each a few short lists)
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class BlockIndex:
         self.locations: list[str | None] = []  # bit -> location (None: free bit)
         self._bits: dict[str, int] = {}
         self._tiers: dict[str, str] = {}  # location -> tier, cached (match is the hot path)
+        self._holders: dict[int, tuple[list[str], list[str]]] = {}  # mask -> its (locations, tiers), cached
         self.sources: dict[str, tuple[int, int]] = {}  # source -> last applied (epoch, seq)
         self.applied_stream_seq = 0
         self.num_events_applied = 0
@@ -102,6 +104,7 @@ class BlockIndex:
             log.error("index holds %d locations already: ignoring blocks at %s", MAX_LOCATIONS, location)
             return None
         self._bits[location] = bit
+        self._holders.clear()
         return bit
 
     def _free_bit(self, bit: int) -> None:
@@ -109,6 +112,7 @@ class BlockIndex:
         if location is not None:
             del self._bits[location]
             self.locations[bit] = None
+            self._holders.clear()
 
     # ------------------------------------------------------------------------------------------ match
 
@@ -120,15 +124,12 @@ class BlockIndex:
         if masks.size == 0:
             return MatchOutcome(0)
         num_hit = int(masks.size)
-        outcome = MatchOutcome(num_hit)
         first = int(masks[0])
         everywhere = int(np.bitwise_and.reduce(masks))  # locations holding the whole prefix
         if everywhere == first:  # the common case: whoever has the first block has them all
-            for bit, location in enumerate(self.locations):
-                if location is not None and first >> bit & 1:
-                    outcome.per_location[location] = num_hit
-                    outcome.per_tier[self._tier_of(location)] = num_hit
-            return outcome
+            locations, tiers = self._holders_of(first)
+            return MatchOutcome(num_hit, dict.fromkeys(tiers, num_hit), dict.fromkeys(locations, num_hit))
+        outcome = MatchOutcome(num_hit)
         tier_masks: dict[str, int] = {}
         for bit, location in enumerate(self.locations):
             if location is None or not first >> bit & 1:
@@ -141,6 +142,17 @@ class BlockIndex:
             full = everywhere & tier_mask
             outcome.per_tier[tier] = num_hit if full else _prefix_len(masks & np.uint64(tier_mask))
         return outcome
+
+    def _holders_of(self, mask: int) -> tuple[list[str], list[str]]:
+        """The locations whose bits are set in `mask` and their tiers (cached until a bit changes hands)."""
+        holders = self._holders.get(mask)
+        if holders is None:
+            locations = [loc for bit, loc in enumerate(self.locations) if loc is not None and mask >> bit & 1]
+            tiers = list(dict.fromkeys(self._tier_of(loc) for loc in locations))
+            if len(self._holders) >= _MAX_CACHED_HOLDERS:
+                self._holders.clear()
+            holders = self._holders[mask] = (locations, tiers)
+        return holders
 
     def _tier_of(self, location: str) -> str:
         tier = self._tiers.get(location)

@@ -5,8 +5,8 @@ over every engine, which at paper scale (1,152 engines) was most of a round. A `
 fields as flat lists (engine i's tokens are `unfinished_tokens[i]`) plus the few whole-cluster aggregates a
 round asks for (live PEs sorted by tokens, live DEs by free KV, per-group decode totals), and its owner
 rewrites only the engines and nodes whose loads changed (`update_engine`, `update_node`). The simulator
-keeps one for the whole run; the live router builds one per round from its snapshots (`of`), the same
-work a `ClusterSnapshot` was.
+keeps one for the whole run; the live router keeps one too (`services/router/load_sync.py`: the services
+that reported or were sent work since the last round) and builds a new one (`of`) only when a service left.
 
 Pure data with no I/O. Placement functions read a table and never write it (they copy what they change).
 """
@@ -36,7 +36,7 @@ class LoadTable:
 
     `decode_groups` maps a group to its live (non-draining) DE rows and `decode_group_tokens` to their total
     unfinished tokens; both only list groups with at least one live DE. Rows are never removed: an engine
-    that leaves is updated as draining (the live router rebuilds its table each round instead).
+    that leaves is updated as draining (the live router builds a new table when one leaves instead).
     """
 
     engine_ids: list[str] = field(default_factory=list)

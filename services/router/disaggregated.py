@@ -1,8 +1,9 @@
 """Disaggregated dispatch (DualPath): a FIFO of requests waiting for a (PE, DE, read side), then the tasks.
 
-Every arrival and every load report triggers a placement round: the engines' and nodes' snapshots are built
-from the latest load reports plus what the router sent since (`EngineTable`), the round function the
-simulator also runs (`services/policy/round.py`) decides, and each placed request's waiter wakes up with its
+Every arrival and every load report triggers a placement round: the engines' and nodes' loads are the latest
+load reports plus what the router sent since (`EngineTable.load_table`, updated in place for the services
+that changed since the last round), the round function the simulator also runs (`services/policy/round.py`)
+decides, and each placed request's waiter wakes up with its
 `Placement`. Requests the policy cannot place yet (every PE above beta, no DE with room) wait here: that is
 the "schedule" part of the TTFT breakdown. A placed request goes to its DE first (which reserves the buffer
 the PE writes into), then to its PE.
@@ -18,12 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from services.policy.round import RoundState, place_round
-from services.policy.snapshot import ROLE_PREFILL, PendingRequest, Placement
+from services.policy.round import RoundState, place_table_round
+from services.policy.snapshot import PendingRequest, Placement
 from services.policy.thresholds import Thresholds, thresholds_from_rates
 from services.router import metrics
 from services.router.dispatch import Dispatch
-from services.router.engines import ROLE_STORAGE, EngineTable
+from services.router.engines import EngineTable
 from services.router.streams import StreamTable
 from shared import telemetry
 from shared.bus import Bus
@@ -62,10 +63,16 @@ class PlacementQueue:
         self._kick = asyncio.Event()
         self.num_rounds = 0
 
-    async def place(self, request: PendingRequest, deadline: float) -> Placement:
-        """Queue the request and wait (until the monotonic `deadline`) for its placement."""
+    def enqueue(self, request: PendingRequest) -> asyncio.Future[Placement]:
+        """Queue the request; the future is its placement, set by a round (`kvpath bench placement` runs
+        rounds itself)."""
         future: asyncio.Future[Placement] = asyncio.get_running_loop().create_future()
         self.queue[request.request_id] = _Waiting(request, future)
+        return future
+
+    async def place(self, request: PendingRequest, deadline: float) -> Placement:
+        """Queue the request and wait (until the monotonic `deadline`) for its placement."""
+        future = self.enqueue(request)
         self.kick()
         try:
             return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
@@ -94,11 +101,9 @@ class PlacementQueue:
         kv_format = self.engines.kv_format
         if not waiting or kv_format is None:
             return 0
-        engines, nodes = self.engines.cluster_snapshot(kv_format.block_size)
-        result = place_round(
+        result = place_table_round(
             self.params.policy,
-            engines,
-            nodes,
+            self.engines.load_table(kv_format.block_size),
             [w.request for w in waiting],
             self.thresholds(kv_format.bytes_per_token),
             self.state,
@@ -129,19 +134,11 @@ class PlacementQueue:
                 self.engines.note_assigned(storage, placement.read_tokens)
 
     def thresholds(self, kv_bytes_per_token: int) -> Thresholds:
-        """alpha / beta in tokens from the storage services' read bandwidths and the PEs' prefill rates."""
-        now = time.monotonic()
-        read_rates = []
-        for st in self.engines.live(now, roles=(ROLE_STORAGE,)):
-            bandwidth = st.report.rates.get("read_bandwidth_bytes_per_s", 0.0)
-            if bandwidth > 0:
-                read_rates.append(bandwidth / kv_bytes_per_token)
-        prefill_rates = [
-            st.report.rates.get("prefill_tokens_per_s", 0.0)
-            for st in self.engines.live(now, roles=(ROLE_PREFILL,))
-        ]
+        """alpha / beta in tokens from the storage services' read bandwidths and the PEs' prefill rates (those
+        of the live services as of the round's `load_table`)."""
+        bandwidths, prefill_rates = self.engines.rates()
         return thresholds_from_rates(
-            read_rates,
+            [b / kv_bytes_per_token for b in bandwidths if b > 0],
             prefill_rates,
             alpha_s=self.params.alpha_s,
             beta_s=self.params.beta_s,

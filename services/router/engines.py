@@ -17,12 +17,14 @@ import logging
 import time
 from dataclasses import dataclass
 
+from services.policy.load_table import LoadTable
 from services.policy.snapshot import ENGINE_ROLES, EngineSnapshot, NodeSnapshot
+from services.router.load_sync import ROLE_STORAGE, TableSync
 from shared.protocol import KvFormat, LoadReport
 
 log = logging.getLogger(__name__)
 
-ROLE_STORAGE = "storage"
+__all__ = ["ROLE_STORAGE", "EngineState", "EngineTable"]
 
 
 @dataclass(slots=True)
@@ -49,23 +51,47 @@ class EngineState:
 
 
 class EngineTable:
-    """Latest load report per service, keyed by service id; storage services are tracked too."""
+    """Latest load report per service, keyed by service id; storage services are tracked too.
+
+    A service's state changes only through these methods (reports and notes), which record it for the
+    placement rounds' `load_table`."""
 
     def __init__(self, silence_timeout_s: float) -> None:
         self.silence_timeout_s = silence_timeout_s
         self._engines: dict[str, EngineState] = {}
+        self._storage_at: dict[int, dict[str, None]] = {}  # node -> its storage services, in `_engines` order
         self.kv_format: KvFormat | None = None  # adopted from the engines; None until one reports
         self.refused: dict[str, str] = {}  # engine id -> why its reports are ignored
+        self._changed: dict[str, None] = {}  # services changed since `load_table` last looked (in order)
+        self.has_left = False  # a service left or moved since then: `load_table` rebuilds
+        self._sync = TableSync()
 
     def update(self, report: LoadReport, now: float) -> None:
         current = self._engines.get(report.service_id)
         if current is not None and report.seq <= current.report.seq and not report.seq == 1:
             return  # stale or reordered report (seq 1 = the service restarted)
         if report.role in ENGINE_ROLES and not self._accepts_format(report, now):
-            self._engines.pop(report.service_id, None)
+            self._forget(report.service_id)
             return
         self.refused.pop(report.service_id, None)
+        if current is not None and (current.report.role, current.report.node) != (report.role, report.node):
+            self._forget(report.service_id)  # moved: it leaves its old node, then joins as new
+        if report.service_id not in self._engines and report.role == ROLE_STORAGE:
+            self._storage_at.setdefault(report.node, {})[report.service_id] = None
         self._engines[report.service_id] = EngineState(report=report, received_at=now)
+        self._changed[report.service_id] = None
+        self._sync.note_report_time(now)
+
+    def _forget(self, service_id: str) -> None:
+        state = self._engines.pop(service_id, None)
+        if state is None:
+            return
+        self.has_left = True
+        self._changed.pop(service_id, None)
+        at_node = self._storage_at.get(state.report.node, {})
+        at_node.pop(service_id, None)
+        if not at_node:
+            self._storage_at.pop(state.report.node, None)
 
     def _accepts_format(self, report: LoadReport, now: float) -> bool:
         """Whether the engine's KV format is the adopted one (adopting it when no live engine holds one)."""
@@ -98,6 +124,14 @@ class EngineTable:
             state.pending_requests += 1
             state.pending_tokens += tokens
             state.pending_kv_tokens += kv_tokens
+            self._changed[service_id] = None
+
+    def note_kv_reserved(self, service_id: str, kv_tokens: int) -> None:
+        """KV the router expects a request it sent to keep resident, until the engine's next report."""
+        state = self._engines.get(service_id)
+        if state is not None:
+            state.pending_kv_tokens += kv_tokens
+            self._changed[service_id] = None
 
     def note_unassigned(self, service_id: str, tokens: int) -> None:
         """Undo `note_assigned` for a task the engine did not take (unless a report already reset it)."""
@@ -105,16 +139,19 @@ class EngineTable:
         if state is not None:
             state.pending_requests = max(0, state.pending_requests - 1)
             state.pending_tokens = max(0, state.pending_tokens - tokens)
+            self._changed[service_id] = None
 
     def storage_of(self, node: int) -> str | None:
         """The service id of node `node`'s storage service, if it reports."""
-        for sid, st in self._engines.items():
-            if st.report.role == ROLE_STORAGE and st.report.node == node:
-                return sid
-        return None
+        return next(iter(self._storage_at.get(node, ())), None)
 
     def remove(self, service_id: str) -> None:
-        self._engines.pop(service_id, None)
+        self._forget(service_id)
+
+    def take_changed(self) -> list[EngineState]:
+        """The services changed since the last call (reports, notes), and forget them."""
+        changed, self._changed = self._changed, {}
+        return [self._engines[sid] for sid in changed]
 
     def live(self, now: float, *, roles: tuple[str, ...] | None = None) -> list[EngineState]:
         out = []
@@ -136,18 +173,41 @@ class EngineTable:
     # ------------------------------------------------------------------------------------- snapshots
 
     def engine_snapshots(
-        self, block_size: int, roles: tuple[str, ...] = ENGINE_ROLES
+        self, block_size: int, roles: tuple[str, ...] = ENGINE_ROLES, now: float | None = None
     ) -> tuple[EngineSnapshot, ...]:
         """Every live engine of `roles` as the policies see it."""
-        return tuple(st.snapshot(block_size) for st in self.live(time.monotonic(), roles=roles))
+        now = time.monotonic() if now is None else now
+        return tuple(st.snapshot(block_size) for st in self.live(now, roles=roles))
+
+    def load_table(self, block_size: int, now: float | None = None) -> LoadTable:
+        """`cluster_snapshot(block_size, now)` as a `LoadTable`, updated in place for what changed since the
+        last call (`load_sync.py`); the caller reads it and never writes it."""
+        return self._sync.sync(self, block_size, now)
+
+    def rates(self) -> tuple[list[float], list[float]]:
+        """(read bandwidths of the live storage services, prefill rates of the live PEs), as of the last
+        `load_table`."""
+        return list(self._sync.read_rates.values()), list(self._sync.prefill_rates.values())
+
+    def node_snapshot(self, node: int, now: float) -> NodeSnapshot:
+        """One node as `cluster_snapshot` gives it (its last live storage service's read queue)."""
+        reader = None
+        for sid in self._storage_at.get(node, ()):
+            state = self._engines[sid]
+            if now - state.received_at <= self.silence_timeout_s:
+                reader = state
+        queued = reader.report.read_queue_tokens + reader.pending_tokens if reader is not None else 0
+        is_alive = reader is not None and not reader.report.is_draining
+        return NodeSnapshot(node=node, read_queue_tokens=queued, is_storage_alive=is_alive)
 
     def cluster_snapshot(
-        self, block_size: int
+        self, block_size: int, now: float | None = None
     ) -> tuple[tuple[EngineSnapshot, ...], tuple[NodeSnapshot, ...]]:
         """Live engines and every node that has an engine or a storage service: its read queue (reported
         plus sent since) and whether its storage answers."""
-        engines = self.engine_snapshots(block_size)
-        storage = {st.report.node: st for st in self.live(time.monotonic(), roles=(ROLE_STORAGE,))}
+        now = time.monotonic() if now is None else now
+        engines = self.engine_snapshots(block_size, now=now)
+        storage = {st.report.node: st for st in self.live(now, roles=(ROLE_STORAGE,))}
         nodes = []
         for node in sorted({e.node for e in engines} | storage.keys()):
             reader = storage.get(node)

@@ -173,3 +173,50 @@ def test_prefix_values_agree_with_find_over_full_buckets_tombstones_and_wraparou
         assert table.prefix_values(chain).tolist() == expected[:end].tolist()
     assert table.prefix_values(np.zeros(0, dtype=np.uint64)).size == 0
     assert table.prefix_values(np.array([0], dtype=np.uint64)).size == 0  # key 0 is an ordinary key
+
+
+def _homed_in(table: U64Table, bucket: int, count: int, rng: np.random.Generator) -> np.ndarray:
+    """`count` distinct random keys whose home bucket is `bucket`."""
+    found: list[int] = []
+    while len(found) < count:
+        keys = rng.integers(1, 2**64 - 1, size=100_000, dtype=np.uint64, endpoint=True)
+        found += keys[table._home_bucket(keys) == bucket].tolist()
+    return np.array(found[:count], dtype=np.uint64)
+
+
+def test_prefix_values_see_only_live_keys_in_a_bucket_of_tombstones_and_vacant_slots() -> None:
+    """The one-compare fast path trusts "as many matches as keys": tombstones and vacant slots (keys 0 and
+    1 among them) never match, a key stored again after its removal matches once, and a chain whose keys
+    spill into the next bucket or are missing in the middle resolves like `get`."""
+    rng = np.random.default_rng(5)
+    table = U64Table(capacity=1024)
+    zero_home = _homed_in(table, 0, 12, rng)  # bucket 0 overflows into bucket 1
+    table.or_values(np.concatenate((np.array([0, 1], dtype=np.uint64), zero_home)), 1)
+    table.clear_bits(np.array([0, 1], dtype=np.uint64), 1)  # tombstones at slots 0 and 1
+    table.clear_bits(zero_home[3:6], 1)
+    table.or_values(zero_home[4:5], 2)  # back in its bucket, in the first free slot
+    others = rng.integers(2, 2**64 - 1, size=300, dtype=np.uint64, endpoint=True)
+    table.or_values(others, 4)
+    chains = [
+        np.array([0], dtype=np.uint64),
+        np.array([1, *zero_home[:3]], dtype=np.uint64),
+        zero_home,
+        np.concatenate((zero_home[:3], zero_home[4:5], zero_home[6:], others)),
+        np.concatenate((others[:100], zero_home[3:4], others[100:])),
+        others,
+    ]
+    for chain in chains:
+        expected = table.get(chain)
+        present = expected != 0
+        end = int(present.size if present.all() else np.argmin(present))
+        assert table.prefix_values(chain).tolist() == expected[:end].tolist()
+    fresh = U64Table(capacity=1024)  # bucket 0 vacant: key 0 must not match its 8 slots
+    fresh.or_values(others[:10], 1)
+    assert fresh.prefix_values(np.concatenate((np.zeros(1, dtype=np.uint64), others[10:17]))).size == 0
+    index = BlockIndex()
+    index.apply(stored(others.tolist()))
+    index.apply(removed(others[200:201].tolist()))
+    index.apply(stored(others[200:201].tolist()))
+    assert index.match(others).num_hit_blocks == others.size
+    index.apply(removed(others[100:101].tolist()))
+    assert index.match(others).per_location == {"store": 100}
