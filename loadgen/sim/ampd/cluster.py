@@ -7,7 +7,14 @@ Every decision is the project's own policy code: binding and Algorithm 1 (`servi
 routing mode: AMPD, always remote, always local), Algorithm 2 (`ampd_reorder.py`), the windowed statistics
 (`ampd_stats.py`) and the cost model (`ampd_costs.py`), which is both the simulated truth and the estimate.
 Remote prefill reads the history from the DE before computing (lazy, at dequeue) and returns the new KV;
-TTFT ends when that KV (and the first token) is on the DE. Memory is not modelled (paper scale: ample).
+TTFT ends when that KV (and the first token) is on the DE.
+
+Memory (brief §7.2, §8 #19): each DE (a colocated replica too) holds `kv_capacity_tokens` of KV, the bound
+sessions' contexts from arrival to their last token (a session keeps its KV through tool calls, §4.1).
+Binding reads that occupancy (lowest share, then fewest running, then id: §4.1); a session whose first prompt
+fits no DE waits for one in arrival order, the wait counted in its first TTFT, and `SimCounts` reports how
+many waited. The paper never discusses eviction, so a bound session's later rounds are not refused: a DE that
+grows past its capacity is counted (`over_capacity`), not evicted.
 """
 
 from __future__ import annotations
@@ -40,7 +47,9 @@ class SimSession:
     ttft_slo_s: float
     itl_slo_s: float
     engine: DecodeSim | None = None
+    arrived_at: float = 0.0
     ctx: int = 0  # tokens whose KV the bound DE holds
+    kv_held: int = 0  # tokens counted in the DE's occupancy (the first prompt from binding on)
     round: int = 0
     remaining: int = 0  # tokens still to decode this round
     last_token_at: float = 0.0
@@ -81,13 +90,21 @@ class Worker:
 @dataclass(slots=True)
 class DecodeSim(Worker):
     running: list[SimSession] = field(default_factory=list)
-    bound: list[SimSession] = field(default_factory=list)
+    bound: list[SimSession] = field(default_factory=list)  # sessions holding KV here (not yet done)
+    kv_tokens: int = 0  # the bound sessions' contexts
 
 
 @dataclass(slots=True)
 class SimCounts:
     local: int = 0
     remote: int = 0
+    admission_waits: int = 0  # sessions that waited for KV memory before binding
+    over_capacity: int = 0  # times a bound session's growth took a DE past its KV capacity (no eviction)
+
+    @property
+    def local_share(self) -> float:
+        total = self.local + self.remote
+        return self.local / total if total else 0.0
 
 
 class AmpdCluster:
@@ -106,8 +123,11 @@ class AmpdCluster:
         reorder: bool = True,
         window: int = 3,
         seed: int = 0,
+        kv_capacity_tokens: int = 1 << 40,
     ) -> None:
         self.costs, self.mode, self.link, self.params = costs, mode, link, params
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.admission: list[SimSession] = []  # arrived, waiting for a DE with room for the first prompt
         self.reorder, self.window = reorder, window
         self.prefills = [Worker(f"pe{i}", ROLE_PREFILL) for i in range(num_prefill)]
         self.decodes = [DecodeSim(f"de{i}", ROLE_DECODE) for i in range(num_decode)]
@@ -138,18 +158,54 @@ class AmpdCluster:
     # -------------------------------------------------------------------------------------- sessions
 
     def _arrive(self, s: SimSession) -> None:
+        s.arrived_at = self.now
+        if self.admission or not self._bind(s):
+            self.counts.admission_waits += 1
+            self.admission.append(s)
+
+    def _bind(self, s: SimSession) -> bool:
+        """Bind `s` to the least occupied DE with room for its first prompt (§4.1, §7.2); False: none has."""
+        need = s.rounds[0][0] + 1
         loads = [
-            DecodeOccupancy(d.engine_id, sum(b.ctx for b in d.bound), 1 << 40, len(d.running))
+            DecodeOccupancy(d.engine_id, d.kv_tokens, self.kv_capacity_tokens, len(d.running))
             for d in self.decodes
+            if d.kv_tokens + need <= self.kv_capacity_tokens
         ]
         engine_id = bind_session(loads)
+        if engine_id is None:
+            return False
         s.engine = next(d for d in self.decodes if d.engine_id == engine_id)
         s.engine.bound.append(s)
-        self._new_task(s)
+        s.engine.kv_tokens += need  # the first prompt's KV is allotted on binding
+        s.kv_held = need
+        self._new_task(s, s.arrived_at)
+        return True
 
-    def _new_task(self, s: SimSession) -> None:
+    def _release(self, s: SimSession) -> None:
+        """A finished session frees its KV; sessions waiting for memory bind in arrival order."""
+        de = s.engine
+        assert de is not None
+        de.bound.remove(s)
+        de.kv_tokens -= s.kv_held
+        if self.admission:  # as its own event: the caller may be mid-way through a decode step's tokens
+            self.at(self.now, self._admit)
+
+    def _admit(self) -> None:
+        while self.admission and self._bind(self.admission[0]):
+            self.admission.pop(0)
+
+    def _grow(self, s: SimSession, tokens: int) -> None:
+        de = s.engine
+        assert de is not None
+        s.ctx += tokens
+        before = de.kv_tokens
+        de.kv_tokens += max(0, s.ctx - s.kv_held)
+        s.kv_held = max(s.kv_held, s.ctx)
+        self.counts.over_capacity += before <= self.kv_capacity_tokens < de.kv_tokens
+
+    def _new_task(self, s: SimSession, t_enq: float | None = None) -> None:
         l_incr = s.rounds[s.round][0]
-        task = Task(s, s.ctx, l_incr, self.now)
+        task = Task(s, s.ctx, l_incr, self.now if t_enq is None else t_enq)
         de = s.engine
         assert de is not None
         turn = TurnPrefill(s.ctx, l_incr, s.ctx, 0, s.ttft_slo_s, s.itl_slo_s)
@@ -173,6 +229,7 @@ class AmpdCluster:
         s.round += 1
         if s.round == len(s.rounds):
             s.is_done = True
+            self._release(s)
             return
         self.at(self.now + tool_s, lambda: self._new_task(s))
 
@@ -256,7 +313,7 @@ class AmpdCluster:
         s.gaps.append([])
         if pe_id is not None:
             self.ttft.add(pe_id, self.now, ttft)
-        s.ctx += task.l_incr + 1
+        self._grow(s, task.l_incr + 1)
         s.remaining = s.rounds[s.round][1] - 1
         s.last_token_at = self.now
         if s.remaining > 0:
@@ -272,7 +329,7 @@ class AmpdCluster:
         s.gaps[-1].append(gap)
         self.itl.add(de.engine_id, self.now, gap)
         s.last_token_at = self.now
-        s.ctx += 1
+        self._grow(s, 1)
         s.remaining -= 1
         if s.remaining <= 0:
             de.running.remove(s)

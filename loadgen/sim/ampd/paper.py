@@ -6,7 +6,8 @@ serving (vLLM with prefix caching), the ablation (no routing, no reordering) and
 Cost models are the brief's rooflines, which the piecewise alpha-beta form of `ampd_costs.py` represents
 exactly: prefill FLOPs = 2 P l_incr + 4 L (H_q d_h) l_incr (l_hist + l_incr / 2) at MFU 0.5 plus a fixed
 10 ms; a decode step reads the weights and the batch's KV at 80% of HBM bandwidth plus 3 ms; KV moves at
-NVLink speed inside one server and over InfiniBand across servers. The arrival rate of each trace is set by
+NVLink speed inside one server and over InfiniBand across servers. Each decode (or colocated) replica holds
+tp x 96 GB x 0.9 - weights of KV (brief §7.2; `kv_capacity_tokens`). The arrival rate of each trace is set by
 load (`load`: the share of the whole cluster's prefill throughput the sessions' prefill work needs), since
 the paper's absolute rates depend on kernels this model does not have: Fig. 4's rates 0.8-2.4 req/s are
 loads in proportion to ANCHOR_LOAD at 2 req/s (`load_at`), and "on average" means over them. Which
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from loadgen.profiles import PROFILES, SynthOptions, synthesize
-from loadgen.sim.ampd.cluster import AmpdCluster, SimSession
+from loadgen.sim.ampd.cluster import AmpdCluster, SimCounts, SimSession
 from services.policy.ampd import MODE_AMPD, MODE_LOCAL, MODE_REMOTE_RR, AmpdParams
 from services.policy.ampd_costs import ROLE_DECODE, ROLE_PREFILL, CostModel, Link, Piecewise
 from services.policy.ampd_slo import ITL_MEAN
@@ -33,6 +34,7 @@ LAYERS, Q_DIM = 80, 64 * 128
 KV_BYTES_PER_TOKEN = 320 * 1024
 WEIGHT_BYTES = 2 * PARAMS_B
 PEAK_FLOPS, MFU, HBM_BYTES_PER_S = 148e12, 0.5, 4.0e12
+GPU_BYTES, USABLE = 96e9, 0.9  # H20 HBM; brief §7.2: KV capacity per replica = tp x 96 GB x 0.9 - weights
 NVLINK, INFINIBAND, LINK_ALPHA_S = 900e9, 200e9, 30e-6
 LINK = "kv"
 PAPER_RATES = (0.8, 1.2, 1.6, 2.0, 2.4)  # Fig. 4's Poisson rates, req/s
@@ -40,6 +42,7 @@ ANCHOR_RATE = 2.0  # Fig. 5 and Fig. 6 ran here; `load` is the load of this rate
 # ANCHOR_RATE's load: the share of the whole cluster's prefill throughput the sessions need (2 req/s itself
 # is 1.4-2.3x this model's capacity on three traces: the paper's kernels beat these rooflines)
 ANCHOR_LOAD = 0.45
+SEEDS = 5  # brief §7.2: "Use >= 5 seeds"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +91,11 @@ def cost_model(tp_prefill: int, tp_decode: int, link_bytes_per_s: float) -> Cost
         links={LINK: Link(LINK_ALPHA_S, link_bytes_per_s)},
         meta={"source": "AMPD brief §5.2 rooflines, Llama-3.1-70B on H20"},
     )
+
+
+def kv_capacity_tokens(tp: int) -> int:
+    """KV tokens one decode replica (or colocated replica) of `tp` GPUs holds (brief §7.2)."""
+    return max(0, int((tp * GPU_BYTES * USABLE - WEIGHT_BYTES) // KV_BYTES_PER_TOKEN))
 
 
 def sessions(trace: str, n: int, setup: PaperSetup, seed: int) -> list[SimSession]:
@@ -161,8 +169,9 @@ def default_deployment(setup: PaperSetup, colocated: bool) -> Deployment:
 
 def run(
     trace: str, variant: Variant, *, n: int, load: float, seed: int, deployment: Deployment | None = None
-) -> tuple[list[SimSession], float]:
-    """The sessions of one run (their TTFTs and ITLs) and the share of prefills run locally."""
+) -> tuple[list[SimSession], SimCounts]:
+    """The sessions of one run (their TTFTs and ITLs) and its counts (local / remote prefills, sessions that
+    waited for KV memory, DEs grown past their capacity)."""
     setup = SETUPS[trace]
     group = sessions(trace, n, setup, seed)
     rate = arrival_rate(group, setup, load)
@@ -179,10 +188,10 @@ def run(
         params=AmpdParams(variant.alpha, variant.beta, data_link=LINK, slack_order=variant.slack_order),
         reorder=variant.reorder,
         seed=seed,
+        kv_capacity_tokens=kv_capacity_tokens(dep.tp_decode),
     )
     done = cluster.run(list(zip(times.tolist(), group, strict=True)))
-    total = cluster.counts.local + cluster.counts.remote
-    return done, cluster.counts.local / total if total else 0.0
+    return done, cluster.counts
 
 
 def load_at(rate: float, load: float) -> float:
@@ -203,8 +212,8 @@ def simulate(
 ) -> tuple[float, float]:
     """(SLO attainment, share of prefills run locally) of one run on `deployment` (default: the panel's);
     `itl_stat`: the ITL statistic of the SLO (`services/policy/ampd_slo.py`, default the mean)."""
-    done, local = run(trace, variant, n=n, load=load, seed=seed, deployment=deployment)
-    return sum(s.meets_slo(itl_stat) for s in done) / n, local
+    done, counts = run(trace, variant, n=n, load=load, seed=seed, deployment=deployment)
+    return sum(s.meets_slo(itl_stat) for s in done) / n, counts.local_share
 
 
 def _mean_attainment(
@@ -246,7 +255,7 @@ def paper_attainment(
     seed: int = 0,
     n: int = 120,
     load: float = ANCHOR_LOAD,
-    seeds: int = 3,
+    seeds: int = SEEDS,
     rates: tuple[float, ...] = PAPER_RATES,
     itl_stat: str = ITL_MEAN,
     deploy: Deploy | None = None,
@@ -282,7 +291,7 @@ def sensitivity(
     seed: int = 0,
     n: int = 120,
     load: float = ANCHOR_LOAD,
-    seeds: int = 3,
+    seeds: int = SEEDS,
     deployment: Deployment | None = None,
 ) -> dict[str, dict[str, float]]:
     """Fig. 6: AMPD's attainment as alpha varies (beta 0.85) and as beta varies (alpha 0.9)."""

@@ -1,11 +1,12 @@
 """`kvpath plan`: AMPD's offline deployment planner (paper §5, Eq. 5; brief §4.5) over the simulator.
 
 Candidates are every (TP, DP) per phase with TP in {1, 2, 4, 8} that fits the model (weights plus some KV in
-TP x 96 GB x 0.9) and uses all N GPUs. Each candidate runs AMPD in the simulator on the trace at the given
-load; its coefficients are the P95 TTFT over the TTFT SLO (tau_pre) and the P95 of sessions' mean ITL over
-the ITL SLO (tau_dec), normalised so that the two phases compare (brief §4.5, gap 2). The ILP picks one
-candidate (binary z_c, sum z_c = 1) minimising Z with Z >= tau_pre(c) z_c and Z >= tau_dec(c) z_c, solved
-by `scipy.optimize.milp` (HiGHS); the same argmin by enumeration cross-checks it and gives the top 3, printed
+TP x 96 GB x 0.9) and uses all N GPUs; one whose simulated sessions outgrow a decode replica's KV memory
+(brief §7.2) does not fit (tau_dec infinite). Each candidate runs AMPD in the simulator on the trace at the
+given load; its coefficients are the P95 TTFT over the TTFT SLO (tau_pre) and the P95 of sessions' mean ITL
+over the ITL SLO (tau_dec), normalised so that the two phases compare (brief §4.5, gap 2). The ILP picks one
+candidate (binary z_c, sum z_c = 1) minimising Z with Z >= tau_pre(c) z_c and Z >= tau_dec(c) z_c, solved by
+`scipy.optimize.milp` (HiGHS); the same argmin by enumeration cross-checks it and gives the top 3, printed
 with their simulated SLO attainment.
 """
 
@@ -20,11 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.sim.ampd.paper import SETUPS, VARIANTS, WEIGHT_BYTES, Deployment, run
+from loadgen.sim.ampd.paper import GPU_BYTES, SETUPS, USABLE, VARIANTS, WEIGHT_BYTES, Deployment, run
 from services.policy.ampd_slo import session_itl
 
 TP_DEGREES = (1, 2, 4, 8)
-GPU_BYTES, USABLE = 96e9, 0.9
 MIN_KV_BYTES = 10e9  # a replica must hold some KV besides the weights
 
 
@@ -54,13 +54,15 @@ def candidates(gpus: int) -> list[Deployment]:
 
 def evaluate(trace: str, dep: Deployment, *, n: int, load: float, seed: int) -> Candidate:
     setup = SETUPS[trace]
-    done, _ = run(trace, VARIANTS["ampd"], n=n, load=load, seed=seed, deployment=dep)
+    done, counts = run(trace, VARIANTS["ampd"], n=n, load=load, seed=seed, deployment=dep)
     ttfts = [t for s in done for t in s.ttfts]
     itls = [session_itl(s.latencies()) for s in done if s.itl_tokens]  # the SLO's ITL statistic
     p95_ttft = float(np.percentile(ttfts, 95)) if ttfts else float("inf")
     p95_itl = float(np.percentile(itls, 95)) if itls else 0.0
     attainment = sum(s.meets_slo() for s in done) / len(done)
-    return Candidate(dep, p95_ttft / setup.ttft_slo_s, p95_itl / setup.itl_slo_s, attainment)
+    # sessions' KV outgrew a decode replica (brief §7.2; the paper has no eviction): it does not fit memory
+    tau_dec = float("inf") if counts.over_capacity else p95_itl / setup.itl_slo_s
+    return Candidate(dep, p95_ttft / setup.ttft_slo_s, tau_dec, attainment)
 
 
 def solve(cands: list[Candidate]) -> int:

@@ -7,7 +7,7 @@ import pytest
 
 from loadgen.sim.ampd import VARIANTS, paper_attainment
 from loadgen.sim.ampd.cluster import AmpdCluster, SimSession
-from loadgen.sim.ampd.paper import ANCHOR_RATE, Deployment, load_at
+from loadgen.sim.ampd.paper import ANCHOR_RATE, Deployment, kv_capacity_tokens, load_at
 from loadgen.sim.ampd.planner import Candidate, candidates, plan, solve
 from loadgen.sim.ampd.protocol import colocated_candidates
 from services.policy.ampd import MODE_AMPD, MODE_LOCAL, MODE_REMOTE_RR
@@ -104,3 +104,34 @@ def test_the_milp_picks_the_min_max_candidate() -> None:
     out = plan("hotpotqa", 8, n=10, load=0.3, seed=0)
     z = [max(r["tau_pre"], r["tau_dec"]) for r in (out["chosen"], *out["top"])]
     assert out["candidates"] == len(candidates(8)) and z[0] == z[1] <= z[2]
+
+
+def test_a_session_waits_for_kv_memory_and_its_wait_counts_in_its_ttft() -> None:
+    cluster = AmpdCluster(
+        COSTS, num_prefill=0, num_decode=1, mode=MODE_LOCAL, link="kv", reorder=False, kv_capacity_tokens=250
+    )
+    a, b = SimSession("a", [(100, 3, 0.0)], 10.0, 1.0), SimSession("b", [(200, 1, 0.0)], 10.0, 1.0)
+    cluster.run([(0.0, a), (0.05, b)])
+    # a holds 101 tokens from binding; b's 201 do not fit beside them until a's last token at 0.12
+    assert cluster.counts.admission_waits == 1 and b.ttfts == [pytest.approx(0.12 + 0.2 - 0.05)]
+    assert cluster.decodes[0].kv_tokens == 0 and cluster.counts.over_capacity == 0
+
+
+def test_binding_reads_the_live_occupancy_a_finished_session_frees() -> None:
+    cluster = AmpdCluster(COSTS, num_prefill=0, num_decode=2, mode=MODE_LOCAL, link="kv", reorder=False)
+    a, b = SimSession("a", [(100, 3, 0.0)], 10.0, 1.0), SimSession("b", [(100, 3, 0.0)], 10.0, 1.0)
+    cluster.run([(0.0, a), (1.0, b)])
+    assert a.engine is not None and b.engine is a.engine  # de0 is empty again when b arrives
+
+
+def test_kv_capacity_is_what_the_gpus_hold_beside_the_weights() -> None:
+    # brief §7.2: tp x 96 GB x 0.9 - 141 GB of Llama-3.1-70B weights, 320 KiB per token
+    assert kv_capacity_tokens(1) == 0 and kv_capacity_tokens(2) == int((172.8e9 - 141.2e9) // (320 * 1024))
+
+
+def test_a_bound_session_outgrowing_its_engine_is_counted_not_evicted() -> None:
+    cluster = AmpdCluster(
+        COSTS, num_prefill=0, num_decode=1, mode=MODE_LOCAL, link="kv", reorder=False, kv_capacity_tokens=150
+    )
+    (a,) = cluster.run([(0.0, SimSession("a", [(100, 2, 0.0), (100, 2, 0.0)], 10.0, 1.0))])
+    assert a.is_done and cluster.counts.over_capacity == 1 and cluster.counts.admission_waits == 0
