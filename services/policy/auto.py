@@ -15,9 +15,10 @@ and prices each with `auto_costs.py` as predicted TTFT plus ITL harm to running 
 cheapest plan whose TTFT meets the request's SLO, else the one that misses it least (smallest TTFT), and
 returns it with the runner-up (the best plan of another path) for explanation.
 
-Who calls it: the router's auto dispatch (`services/router/auto_dispatch.py`) once per request, the
-simulator (`loadgen/sim/auto/`) for each arrival. The running topology says which paths exist
-(`AutoSnapshot.sources`, `local_on_decode`); a path it does not offer is never enumerated.
+Who calls it: the router's auto dispatch (`services/router/auto_dispatch.py`, on colocated engines or on
+prefill/decode engines through `auto_pd.py`) once per request, the simulator (`loadgen/sim/auto/`) for each
+arrival. The running topology says which paths exist (`AutoSnapshot.sources`, `local_on_decode`); a path it
+does not offer is never enumerated.
 """
 
 from __future__ import annotations

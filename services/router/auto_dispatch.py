@@ -1,21 +1,23 @@
-"""`--policy auto` on colocated engines: one cost model (`services/policy/auto.py`) picks each request's
-engine, and with it the path its hit KV takes; every decision is explained.
+"""`--policy auto`: one cost model (`services/policy/auto.py`) picks each request's engine(s), and with them
+the path its hit KV takes; every decision is explained.
 
-What a colocated topology offers, and so what auto chooses among here: the prefix resident in an engine's own
-cache (`hbm:` / `dram:<engine>` in the index's answer; both count as the `hbm` source and are priced as free
-to reach, though a local DRAM cache is a memory copy away), the shared pool (`cxl:<pool>`, `--kv-tier pool`),
-storage read on the engine's node, or recomputing it. The engine, not the router, loads from the best tier it
-has, so the plan's source is auto's prediction of what the chosen engine will do (the cheaper source on an
-engine is always the one it takes). Routing to a holder stays with `--move-query` (`route_choice.py`), and the
-disaggregated paths (storage via the prefill or the decode node, AMPD's local prefill) are the simulator's
-(`loadgen/sim/auto`); this dispatch does not offer them.
+What a colocated topology offers, and so what auto chooses among there: the prefix resident in an engine's
+own cache (`hbm:` / `dram:<engine>` in the index's answer; both count as the `hbm` source and are priced as
+free to reach, though a local DRAM cache is a memory copy away), the shared pool (`cxl:<pool>`, `--kv-tier
+pool`), storage read on the engine's node, or recomputing it. The engine, not the router, loads from the best
+tier it has, so the plan's source is auto's prediction of what the chosen engine will do (the cheaper source
+on an engine is always the one it takes). Routing to a holder stays with `--move-query` (`route_choice.py`).
+While prefill/decode engines serve instead, the plans are theirs (remote prefill on a PE with the history
+from storage on either node or from the decode engine's cache, local prefill on a session decode engine,
+recompute: `--auto-decode-engines` says which) and `auto_pd.py` executes the chosen one.
 
-Queues: the router keeps a ledger of its own predictions (engine -> request -> predicted first-token time)
-and prices an engine's queue as the latest of those still open; running decodes and context from the load
-reports. What the model leaves out (dispatch, bus, first-token delivery) and how much slower than profiled the
-machine runs now are learned online from the measured TTFTs (`services/policy/auto_calibration.py`).
+Queues: the router keeps a ledger of its own predictions (prefilling engine -> request -> predicted
+first-token time) and prices an engine's queue as the latest of those still open; running decodes and
+context from the load reports. What the model leaves out (dispatch, bus, first-token delivery) and how much
+slower than profiled the machine runs now are learned online from the measured TTFTs
+(`services/policy/auto_calibration.py`).
 Explained: `kvpath_router_plan_total{plan}`, an `auto_plan` span per request from dispatch to first
-token (plan, engine, predicted TTFT and harm, runner-up, measured TTFT) and
+token (plan, engines, predicted TTFT and harm, runner-up, measured TTFT) and
 `kvpath_router_plan_ttft_error_seconds`; a log line per request at debug level.
 """
 
@@ -34,9 +36,10 @@ from services.policy.ampd_costs import STORAGE, CostModel, linear_cost_model
 from services.policy.auto import AUTO, AutoRequest, AutoSnapshot, Decision, EngineLoad, Source, plan
 from services.policy.auto_calibration import TtftCalibration
 from services.policy.auto_costs import POOL, AutoProfiles
-from services.policy.snapshot import EngineSnapshot
+from services.policy.snapshot import ROLE_COLOCATED, EngineSnapshot
 from services.policy.thresholds import FALLBACK_PREFILL_TOKENS_PER_S
 from services.router import metrics
+from services.router.auto_pd import PD_PATHS, SESSION_DECODE, dispatch_pd, has_pd_engines
 from services.router.config import RouterConfig
 from services.router.dispatch import ColocatedDispatch, local_blocks
 from services.router.engines import ROLE_STORAGE, EngineTable
@@ -73,10 +76,10 @@ class PlanLedger:
     def add(self, engine_id: str, request_id: str, at: float) -> None:
         self.first_token_at.setdefault(engine_id, {})[request_id] = at
 
-    def started(self, engine_id: str, request_id: str) -> None:
-        """The first token came: the request decodes now."""
-        self.first_token_at.get(engine_id, {}).pop(request_id, None)
-        self.decoding.setdefault(engine_id, set()).add(request_id)
+    def started(self, prefill_engine: str, decode_engine: str, request_id: str) -> None:
+        """The first token came: the request decodes now (on the engine that prefilled it, or another)."""
+        self.first_token_at.get(prefill_engine, {}).pop(request_id, None)
+        self.decoding.setdefault(decode_engine, set()).add(request_id)
 
     def drop(self, engine_id: str, request_id: str) -> None:
         self.first_token_at.get(engine_id, {}).pop(request_id, None)
@@ -100,8 +103,10 @@ class AutoDispatch(ColocatedDispatch):
         *,
         cost_profile: str = "",
         kv_link: str = "shm",
+        decode_engines: str = SESSION_DECODE,
     ) -> None:
         super().__init__(engines, bus, router_id, ack_timeout_s, policy=AUTO)
+        self.pd_sources, self.local_on_decode = PD_PATHS[decode_engines]
         self.profiled = (
             CostModel.from_dict(json.loads(Path(cost_profile).read_text())) if cost_profile else None
         )
@@ -110,25 +115,31 @@ class AutoDispatch(ColocatedDispatch):
         self.calibration = TtftCalibration()  # learned: overhead outside the model, the machine's speed now
         self._picked: dict[str, Decision] = {}
         self._open: dict[str, _Open] = {}
-        self._engine_of: dict[str, str] = {}  # request -> engine, until the request leaves the router
+        self._engines_of: dict[str, tuple[str, str]] = {}  # request -> (prefill, decode) until it leaves
 
     # ------------------------------------------------------------------------------------------ decide
 
     def _pick(
         self, engines: list[EngineSnapshot], plan_: RequestPlan, locality: Mapping[str, int]
     ) -> str | None:
-        decision = plan(
-            self._request(engines, plan_, locality), self._snapshot(engines, locality), self.profiles()
-        )
+        decision = self.decide(engines, plan_, locality)
         if decision is None:
             return None
         self._picked[plan_.request_id] = decision
         return decision.chosen.decode_engine
 
+    def decide(
+        self, engines: list[EngineSnapshot], plan_: RequestPlan, locality: Mapping[str, int]
+    ) -> Decision | None:
+        """Auto's plan over `engines`: colocated ones, or prefill and decode engines (`auto_pd.py`)."""
+        return plan(
+            self._request(engines, plan_, locality), self._snapshot(engines, locality), self.profiles()
+        )
+
     def _request(
         self, engines: list[EngineSnapshot], p: RequestPlan, locality: Mapping[str, int]
     ) -> AutoRequest:
-        bs = self._block_size()
+        bs = self.block_size()
         stored = bs * min(p.kv.num_hit_blocks, locality.get("store", p.kv.num_hit_blocks))
         pooled = bs * max((n for loc, n in locality.items() if loc.startswith("cxl:")), default=0)
         resident = {e.engine_id: bs * local_blocks(locality, e.engine_id) for e in engines}
@@ -163,8 +174,10 @@ class AutoDispatch(ColocatedDispatch):
                     is_draining=e.is_draining,
                 )
             )
-        _, nodes = self.engines.cluster_snapshot(self._block_size())
+        _, nodes = self.engines.cluster_snapshot(self.block_size())
         reads = {n.node: n.read_queue_tokens for n in nodes if n.is_storage_alive}
+        if any(e.role != ROLE_COLOCATED for e in engines):  # the paths of the P/D engines
+            return AutoSnapshot(tuple(loads), reads, None, self.pd_sources, self.local_on_decode)
         has_pool = any(loc.startswith("cxl:") for loc in locality)
         return AutoSnapshot(tuple(loads), reads, 0 if has_pool else None, LIVE_SOURCES)
 
@@ -201,7 +214,7 @@ class AutoDispatch(ColocatedDispatch):
             },
         )
 
-    def _block_size(self) -> int:
+    def block_size(self) -> int:
         return self.engines.kv_format.block_size if self.engines.kv_format is not None else 1
 
     # ----------------------------------------------------------------------------------------- explain
@@ -210,6 +223,10 @@ class AutoDispatch(ColocatedDispatch):
         self, plan: RequestPlan, deadline: float, streams: StreamTable, locality: Mapping[str, int]
     ) -> dict[str, float]:
         started = time.monotonic()
+        if has_pd_engines(self.engines):
+            timings, decided = await dispatch_pd(self, self.decide, plan, deadline, streams, locality)
+            self._opened(plan.request_id, decided, started)
+            return timings
         try:
             timings = await super().dispatch(plan, deadline, streams, locality)
         finally:
@@ -223,11 +240,12 @@ class AutoDispatch(ColocatedDispatch):
         metrics.PLANS.labels(chosen.label).inc()
         cal = self.calibration
         raw_s = max(0.0, chosen.ttft_s - cal.overhead_s) / cal.scale  # the profile's own prediction
-        self.ledger.add(chosen.decode_engine, request_id, started + cal.scale * raw_s)
-        self._engine_of[request_id] = chosen.decode_engine
+        self.ledger.add(chosen.prefill_engine, request_id, started + cal.scale * raw_s)
+        self._engines_of[request_id] = (chosen.prefill_engine, chosen.decode_engine)
         attributes = {
             "plan": chosen.label,
             "engine_id": chosen.decode_engine,
+            "prefill_engine_id": chosen.prefill_engine,
             "hit_tokens": chosen.hit_tokens,
             "predicted_ttft_s": chosen.ttft_s,
             "harm_s": chosen.harm_s,
@@ -251,18 +269,17 @@ class AutoDispatch(ColocatedDispatch):
     def release(self, request_id: str) -> None:
         if request_id in self._open:
             self._closed(request_id, None)
-        engine_id = self._engine_of.pop(request_id, None)
-        if engine_id is not None:
+        for engine_id in self._engines_of.pop(request_id, ()):
             self.ledger.drop(engine_id, request_id)
 
     def _closed(self, request_id: str, measured_s: float | None) -> None:
         done = self._open.pop(request_id)
         chosen = done.decision.chosen
         if measured_s is None:
-            self.ledger.drop(chosen.decode_engine, request_id)
+            self.ledger.drop(chosen.prefill_engine, request_id)
             telemetry.end_span(done.span, error="no first token")
             return
-        self.ledger.started(chosen.decode_engine, request_id)
+        self.ledger.started(chosen.prefill_engine, chosen.decode_engine, request_id)
         metrics.PLAN_TTFT_ERROR.observe(abs(chosen.ttft_s - measured_s))
         self.calibration.observe(done.raw_ttft_s, measured_s)
         telemetry.end_span(done.span, attributes={"measured_ttft_s": measured_s})
@@ -281,7 +298,13 @@ def build_auto_dispatch(config: RouterConfig, engines: EngineTable, bus: Bus, ro
     prefixes are routed, fetched or recomputed after auto picked the engine, as for the colocated policies."""
     timeout_s = config.task_ack_timeout_s
     dispatch = AutoDispatch(
-        engines, bus, router_id, timeout_s, cost_profile=config.cost_profile, kv_link=config.kv_link
+        engines,
+        bus,
+        router_id,
+        timeout_s,
+        cost_profile=config.cost_profile,
+        kv_link=config.kv_link,
+        decode_engines=config.auto_decode_engines,
     )
     if config.move_query:
         from services.router.route_choice import HeldRouting, load_profile

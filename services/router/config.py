@@ -8,6 +8,7 @@ from services.policy.ampd import SESSION_POLICIES, SLACK_ORDERS
 from services.policy.auto import AUTO
 from services.policy.colocated import COLOCATED_POLICIES
 from services.policy.placement import POLICIES
+from services.router.auto_pd import PD_PATHS
 from shared.config import BaseConfig, check, doc
 
 
@@ -20,7 +21,8 @@ class RouterConfig(BaseConfig):
     policy: str = doc(
         "colocated",
         "scheduling policy: colocated | beluga | cache-aware | dualpath | basic | dualpath-rr | ampd | "
-        "disagg-remote | session-colocated | auto (colocated engines, one cost model over every KV path)",
+        "disagg-remote | session-colocated | auto (one cost model over every KV path the engines offer: "
+        "colocated, or prefill and decode engines)",
     )
     max_tokens_limit: int = doc(8192, "largest max_tokens a request may ask for")
     request_deadline_s: float = doc(600.0, "every request fails with 504 after this long")
@@ -47,7 +49,12 @@ class RouterConfig(BaseConfig):
     )
     remote_pick: str = doc("rr", "disagg-remote: the PE of each prefill, rr (round robin) | least-queue")
     cost_profile: str = doc("", "AMPD, auto: cost profile file of `kvpath profile` (default: measured rates)")
-    kv_link: str = doc("shm", "AMPD: the cost profile's link between prefill and decode engines")
+    kv_link: str = doc("shm", "AMPD, auto: the cost profile's link between prefill and decode engines")
+    auto_decode_engines: str = doc(
+        "session",
+        "auto on prefill/decode engines: what the decode engines are, session (--session-kv: local "
+        "prefill, history kept in HBM) | dualpath (decode only: the prefix read on either node)",
+    )
     move_query: str = doc(
         "", "prompts starting with a chunk another engine holds: auto | route | fetch | local ('' off)"
     )
@@ -84,6 +91,12 @@ class RouterConfig(BaseConfig):
         check(self.max_inflight_requests >= 1, "max_inflight_requests", self.max_inflight_requests, ">= 1")
         for name in ("ttft_slo_ms", "itl_slo_ms", "ampd_alpha", "ampd_beta", "ampd_window_s"):
             check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        check(
+            self.auto_decode_engines in PD_PATHS,
+            "auto_decode_engines",
+            self.auto_decode_engines,
+            f"one of {', '.join(PD_PATHS)}",
+        )
         check(self.remote_pick in ("rr", "least-queue"), "remote_pick", self.remote_pick, "rr or least-queue")
         check(
             self.ampd_slack_order in SLACK_ORDERS,

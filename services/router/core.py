@@ -17,7 +17,8 @@ from typing import Any
 from services.policy.ampd import SESSION_POLICIES
 from services.policy.colocated import COLOCATED_POLICIES
 from services.router import metrics
-from services.router.auto_dispatch import AUTO, build_auto_dispatch
+from services.router.auto_dispatch import AUTO, AutoDispatch, build_auto_dispatch
+from services.router.auto_pd import has_pd_engines
 from services.router.choices import ChoiceGroup
 from services.router.config import RouterConfig
 from services.router.disaggregated import DisaggregatedDispatch, SchedulerParams
@@ -136,6 +137,8 @@ class RouterCore:
         """Whether a request's n choices go as one task, forked by the engine from one prefill (colocated
         engines without move-the-query, DualPath's decode engines); else as n tasks of one choice."""
         dispatch = self.dispatch
+        if isinstance(dispatch, AutoDispatch) and has_pd_engines(self.engines):
+            return False  # session engines take one choice per task
         if isinstance(dispatch, ColocatedDispatch):
             return dispatch.held_routing is None
         return isinstance(dispatch, DisaggregatedDispatch)
@@ -360,7 +363,7 @@ def build_dispatch(config: RouterConfig, engines: EngineTable, bus: Bus, router_
                 engines, mode=config.move_query, profile=profile, fabric=config.movequery_fabric
             )
         return dispatch
-    if config.policy == AUTO:  # one cost model over the paths colocated engines offer
+    if config.policy == AUTO:  # one cost model over the paths the engines offer (colocated or P/D)
         return build_auto_dispatch(config, engines, bus, router_id)
     if config.policy in SESSION_POLICIES:
         return SessionDispatch(engines, bus, router_id, config.task_ack_timeout_s, session_params(config))

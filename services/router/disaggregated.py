@@ -25,11 +25,12 @@ from services.policy.thresholds import Thresholds, thresholds_from_rates
 from services.router import metrics
 from services.router.dispatch import Dispatch
 from services.router.engines import EngineTable
+from services.router.pd_tasks import ask
 from services.router.streams import StreamTable
 from shared import telemetry
 from shared.bus import Bus
 from shared.errors import DeadlineExceededError, NoEngineAvailableError, error_from_code
-from shared.protocol import KvPlan, Message, RequestPlan, TaskAck
+from shared.protocol import KvPlan, Message, RequestPlan
 from shared.protocol.tasks import DecodeTask, PrefillTask
 
 R = TypeVar("R", bound=Message)
@@ -181,13 +182,13 @@ class DisaggregatedDispatch(Dispatch):
             "placed request_id=%s pe=%s de=%s read_side=%s",
             plan.request_id, placement.pe_id, placement.de_id, read_side or "none",
         )  # fmt: skip
-        de_ack = await self._ask(placement.de_id, DecodeTask(plan=plan, pe_id=placement.pe_id), deadline)
+        de_ack = await ask(self, placement.de_id, DecodeTask(plan=plan, pe_id=placement.pe_id), deadline)
         if not de_ack.accepted or de_ack.buffer is None:
             raise error_from_code(de_ack.code or "overloaded", de_ack.message or "decode engine refused")
         timings = {"schedule_s": placed - started, "allocate_s": time.monotonic() - placed}
         is_layerwise = self.queue.params.policy != "basic"
         task = PrefillTask(plan=plan, de_buffer=de_ack.buffer, is_layerwise=is_layerwise, timings=timings)
-        pe_ack = await self._ask(placement.pe_id, task, deadline)
+        pe_ack = await ask(self, placement.pe_id, task, deadline)
         if not pe_ack.accepted:
             raise error_from_code(pe_ack.code or "overloaded", pe_ack.message or "prefill engine refused")
         timings["allocate_s"] = time.monotonic() - placed
@@ -209,10 +210,6 @@ class DisaggregatedDispatch(Dispatch):
             if span is not None:
                 span.set_attributes(_placement_attributes(self.queue.params.policy, placement))
         return placement
-
-    async def _ask(self, engine_id: str, task: Message, deadline: float) -> TaskAck:
-        subject = self.bus.subjects.task(engine_id)
-        return await self.bus.request(subject, task, TaskAck, timeout_s=self.ack_timeout(deadline))
 
 
 def _placement_attributes(policy: str, placement: Placement) -> dict[str, Any]:

@@ -11,7 +11,8 @@ routed by the policy's mode (`services/policy/ampd.py`):
 Local: a `GenerateTask` to the bound engine. Remote: a `DecodeTask` to the bound engine (it keeps the
 resident blocks the prompt still starts with and names them in its buffer), then a `PrefillTask` to the
 prefill engine, which reads the history from the decode engine's cache ("hbm") or from storage ("pe"),
-whichever the cost model says is cheaper, and writes back only the rest.
+whichever the cost model says is cheaper, and writes back only the rest (the sends: `pd_tasks.py`, shared
+with `--policy auto` on P/D engines).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from services.policy.ampd import (
@@ -46,6 +48,8 @@ from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.dispatch import MAX_DISPATCH_ATTEMPTS, Dispatch, publish_abort
 from services.router.engines import ROLE_STORAGE, EngineTable
+from services.router.pd_tasks import send_local, send_remote
+from services.router.pd_tasks import stored_blocks as stored_count
 from services.router.sessions import Flight, FlightBook, SessionTable
 from services.router.streams import StreamTable
 from shared.blocks import max_hit_blocks
@@ -56,10 +60,8 @@ from shared.errors import (
     NoEngineAvailableError,
     OverloadedError,
     ServiceUnavailableError,
-    error_from_code,
 )
-from shared.protocol import GenerateTask, KvPlan, Message, RequestPlan, TaskAck, TokenBatch
-from shared.protocol.tasks import DecodeTask, PrefillTask
+from shared.protocol import KvPlan, RequestPlan, TokenBatch
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,7 @@ class SessionDispatch(Dispatch):
     ) -> dict[str, float]:
         started = time.monotonic()
         session = plan.session_id or plan.request_id
-        stored_blocks = self._stored_blocks(plan, locality)
+        stored_blocks = stored_count(plan, locality, self._block_size())
         tried: set[str] = set()
         error: KvpathError | None = None
         for _ in range(MAX_DISPATCH_ATTEMPTS):
@@ -113,9 +115,11 @@ class SessionDispatch(Dispatch):
             streams.assign(plan.request_id, de)
             try:
                 if decision.is_local:
-                    timings = await self._send_local(plan, de, stored_blocks, deadline)
+                    timings = await send_local(self, plan, de, stored_blocks, deadline)
                 else:
-                    timings = await self._send_remote(plan, de, decision, stored_blocks, deadline, streams)
+                    history = partial(self._history_plan, plan, stored_blocks=stored_blocks)
+                    pair = (decision.target, de)
+                    timings = await send_remote(self, plan, pair, history, deadline, streams)
             except (ServiceUnavailableError, DeadlineExceededError, OverloadedError) as exc:
                 streams.unassign(plan.request_id, de)  # the decode engine did not take it: try another
                 log.warning("session engine refused request_id=%s engine=%s: %s", plan.request_id, de, exc)
@@ -184,63 +188,7 @@ class SessionDispatch(Dispatch):
             history, plan.num_prompt_tokens - history, resident, stored, plan.ttft_slo_s, plan.itl_slo_s
         )
 
-    def _stored_blocks(self, plan: RequestPlan, locality: Mapping[str, int]) -> int:
-        """Leading blocks of the prompt in storage (the index's `store` location; without per-location
-        answers, the plan's hit count)."""
-        usable = max_hit_blocks(plan.num_prompt_tokens, self._block_size())
-        stored = locality.get("store", 0) if locality else plan.kv.num_hit_blocks
-        return min(stored, usable)
-
-    # ----------------------------------------------------------------------------------------- sends
-
-    async def _send_local(
-        self, plan: RequestPlan, de: str, stored_blocks: int, deadline: float
-    ) -> dict[str, float]:
-        """The bound engine prefills the turn itself (from its resident KV, or its stored prefix)."""
-        plan.kv = KvPlan(block_hashes=plan.kv.block_hashes, num_hit_blocks=stored_blocks)
-        ack = await self._ask(de, GenerateTask(plan=plan), deadline)
-        _raise_refusal(ack, "session engine refused the turn")
-        self.engines.note_assigned(de, plan.num_prompt_tokens, kv_tokens=_kv_need(plan))
-        return {}
-
-    async def _send_remote(
-        self,
-        plan: RequestPlan,
-        de: str,
-        decision: RouteDecision,
-        stored_blocks: int,
-        deadline: float,
-        streams: StreamTable,
-    ) -> dict[str, float]:
-        """DE first (it keeps the resident blocks and names them), then the PE with the history source."""
-        placed = time.monotonic()
-        pe = decision.target
-        hashes = plan.kv.block_hashes
-        plan.kv = KvPlan(block_hashes=hashes)
-        de_ack = await self._ask(de, DecodeTask(plan=plan, pe_id=pe), deadline)
-        _raise_refusal(de_ack, "session engine refused the turn")
-        if de_ack.buffer is None:
-            raise error_from_code("internal_error", f"session engine {de} named no buffer")
-        self.engines.note_assigned(de, plan.num_prompt_tokens, kv_tokens=_kv_need(plan))
-        plan.kv = self._history_plan(plan, de_ack.buffer.num_kept_blocks, stored_blocks)
-        timings = {"schedule_s": 0.0, "allocate_s": time.monotonic() - placed}
-        streams.assign(plan.request_id, pe)
-        try:
-            pe_ack = await self._ask(
-                pe, PrefillTask(plan=plan, de_buffer=de_ack.buffer, timings=timings), deadline
-            )
-        except KvpathError as exc:  # the DE holds a turn nobody will prefill: drop it, fail the request
-            await publish_abort(self.bus, plan.request_id, "prefill engine unreachable")
-            raise error_from_code("engine_failed", f"prefill engine {pe}: {exc.message}") from exc
-        if not pe_ack.accepted:
-            await publish_abort(self.bus, plan.request_id, "prefill engine refused")
-            raise error_from_code(pe_ack.code or "overloaded", pe_ack.message or "prefill engine refused")
-        self.engines.note_assigned(pe, plan.num_prompt_tokens)
-        timings["allocate_s"] = time.monotonic() - placed
-        metrics.TTFT_STAGE.labels("allocate").observe(timings["allocate_s"])
-        return timings
-
-    def _history_plan(self, plan: RequestPlan, kept_blocks: int, stored_blocks: int) -> KvPlan:
+    def _history_plan(self, plan: RequestPlan, kept_blocks: int, *, stored_blocks: int) -> KvPlan:
         """Where the PE gets the history: the decode engine's kept blocks or storage, the cheaper."""
         block_size = self._block_size()
         usable = max_hit_blocks(plan.num_prompt_tokens, block_size)
@@ -266,10 +214,6 @@ class SessionDispatch(Dispatch):
             "session turn request_id=%s de=%s route=%s reason=%s estimate_s=%.4f",
             plan.request_id, de, decision.target, decision.reason, decision.estimate_s,
         )  # fmt: skip
-
-    async def _ask(self, engine_id: str, task: Message, deadline: float) -> TaskAck:
-        subject = self.bus.subjects.task(engine_id)
-        return await self.bus.request(subject, task, TaskAck, timeout_s=self.ack_timeout(deadline))
 
     # ------------------------------------------------------------------------------------ cost model
 
@@ -324,12 +268,3 @@ def session_params(config: RouterConfig) -> SessionParams:
 
 def load_cost_profile(path: str) -> CostModel:
     return CostModel.from_dict(json.loads(Path(path).read_text()))
-
-
-def _kv_need(plan: RequestPlan) -> int:
-    return plan.num_prompt_tokens + plan.sampling.max_tokens
-
-
-def _raise_refusal(ack: TaskAck, what: str) -> None:
-    if not ack.accepted:
-        raise error_from_code(ack.code or "overloaded", ack.message or what)

@@ -79,7 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="",
         help="colocated | beluga | cache-aware | dualpath | basic | dualpath-rr (disaggregated: default "
         "dualpath) | ampd | disagg-remote (disaggregated, session engines) | session-colocated | auto "
-        "(colocated: one cost model over the KV paths they offer)",
+        "(one cost model over the KV paths the engines offer: colocated, or P/D with session engines)",
     )
     p.add_argument(
         "--kv-tier",
@@ -109,7 +109,7 @@ def spec_from_args(args: argparse.Namespace, kv_root: str) -> ClusterSpec:
         raise SystemExit("kvpath up: disaggregated mode needs --prefill-nodes >= 1 and --decode-nodes >= 1")
     default = {"pool": BELUGA, "remote": CACHE_AWARE}.get(args.kv_tier, COLOCATED)
     policy = args.policy or ("dualpath" if disaggregated else default)
-    if disaggregated == (policy in (*COLOCATED_POLICIES, SESSION_COLOCATED, AUTO)):
+    if policy != AUTO and disaggregated == (policy in (*COLOCATED_POLICIES, SESSION_COLOCATED)):
         raise SystemExit(f"kvpath up: policy {policy!r} does not fit the topology")
     if args.kv_tier != "storage" and (disaggregated or args.no_kv_store):
         raise SystemExit("kvpath up: --kv-tier pool|remote serves colocated engines with a KV store")

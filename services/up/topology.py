@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.policy.ampd import AMPD, SESSION_COLOCATED, SESSION_POLICIES
+from services.policy.auto import AUTO
 
 
 @dataclass(slots=True)
@@ -115,8 +116,11 @@ def _tier_processes(spec: ClusterSpec, procs: list[ProcessSpec], common: list[st
 
 
 def _session_args(policy: str, role: str) -> list[str]:
-    """Engine flags of the session policies (AMPD and its baselines): decode engines keep sessions; under
-    `ampd` every prefill queue is ordered by Algorithm 2."""
+    """Engine flags of the session policies (AMPD and its baselines) and of `auto` on P/D nodes: decode
+    engines keep sessions (auto's `local` and `hbm` paths); under `ampd` every prefill queue is ordered by
+    Algorithm 2."""
+    if policy == AUTO:
+        return ["--session-kv"] if role == "decode" else []
     if policy not in SESSION_POLICIES:
         return []
     args = ["--session-kv"] if role == "decode" else []

@@ -1,17 +1,28 @@
-"""`kvpath up --policy auto` (colocated engines): one cost model picks each request's engine and KV path,
-counts its plan, and records its predicted TTFT against the measured one; stored prefixes are still loaded."""
+"""`--policy auto`: one cost model picks each request's engine(s) and KV path, counts its plan, and records
+its predicted TTFT against the measured one. On colocated engines (`kvpath up --policy auto`) stored
+prefixes are still loaded; on a prefill and a session decode engine the P/D paths are taken (remote, local,
+history from the decode engine's cache) with the same greedy tokens as one prefill of the whole prompt, and a
+dead prefill engine is planned around."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import random
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.cluster import UpProcess
-from tests.integration.test_ampd import metric
+from shared.bus import Bus
+from shared.natsserver import NatsServer
+from tests.cluster import ServiceProcess, Stack, UpProcess, wait_ready
+from tests.integration.test_ampd import BLOCK, Reference, metric
+from tests.integration.test_ampd import reference as reference  # the module's fixture, shared
 from tests.integration.test_kv_reuse import complete
 
 pytestmark = pytest.mark.slow
@@ -47,3 +58,121 @@ async def test_auto_explains_each_plan_and_loads_stored_prefixes(
     # the first turn has nothing stored; the next two find their prefix in storage on either engine's node
     assert plans == {"local/recompute": 1, "local/storage": 2, "local/hbm": 0, "local/pool": 0}, plans
     assert errors == 3  # every request's measured TTFT recorded against its prediction
+
+
+# ------------------------------------------------------------------------------------ prefill/decode engines
+
+# A profile that makes the choices deterministic: a decode engine prefills fast below 200 new tokens and 20x
+# slower above, a prefill engine pays 50 ms per prefill. So a long cold prompt goes remote, a short append to
+# a resident session stays local, a long one goes remote with its history streamed from the decode engine.
+PD_PROFILE = {
+    "schema": "kvpath.ampd.profile/1",
+    "kv_bytes_per_token": 1000,
+    "t_pre": {
+        "prefill": {"starts": [0], "coefs": [[0.05, 1e-4, 0]]},
+        "decode": {"starts": [0, 200], "coefs": [[0.001, 1e-4, 0], [0.001, 2e-3, 0]]},
+    },
+    "t_dec": {k: {"starts": [0], "coefs": [[0, 0, 0]]} for k in ("prefill", "decode")},
+    "t_kv": {"shm": {"alpha_s": 1e-4, "bytes_per_s": 1e9}, "storage": {"alpha_s": 1e-3, "bytes_per_s": 1e8}},
+}
+PD_PLANS = (
+    "remote/recompute",
+    "remote/hbm",
+    "remote/storage",
+    "local/hbm",
+    "local/storage",
+    "local/recompute",
+)
+
+
+@pytest.fixture(scope="module")
+def pd_cluster(tmp_path_factory: pytest.TempPathFactory, nats_server: NatsServer) -> Iterator[dict[str, Any]]:
+    """One prefill engine (node 0) and one session decode engine (node 1) under `--policy auto`, started one
+    by one so that a test can kill the prefill engine."""
+    tmp = tmp_path_factory.mktemp("auto-pd")
+    profile = tmp / "profile.json"
+    profile.write_text(json.dumps(PD_PROFILE))
+    stack = Stack(tmp, nats_server, "t" + uuid.uuid4().hex[:10])
+    stack.start("index", "index-0")
+    for node in (0, 1):
+        stack.start("storage", f"storage-{node}", "--node", str(node), "--root", str(tmp / "store"))
+    pe = stack.start("engine", "pe-0", "--role", "prefill", "--node", "0", "--model", "tiny")
+    stack.start("engine", "de-0", "--role", "decode", "--session-kv", "--node", "1", "--model", "tiny")
+    router = ("--http-port", "0", "--policy", "auto", "--cost-profile", str(profile))
+    stack.start("router", "router-0", *router, "--engine-silence-timeout-s", "1.0")
+    ids = {"index-0", "storage-0", "storage-1", "pe-0", "de-0", "router-0"}
+
+    async def ready() -> dict[str, Any]:
+        async with contextlib.AsyncExitStack() as cleanup:
+            bus = Bus(nats_server.url, stack.namespace, name="test")
+            await bus.connect()
+            cleanup.push_async_callback(bus.close)
+            return await wait_ready(bus, ids, stack.procs, num_engines=2)
+
+    services = asyncio.run(ready())
+    yield {"url": services["router-0"].http_url, "pe": pe}
+    stack.stop()
+
+
+async def plan_counts(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    return {p: await metric(http, url, "kvpath_router_plan_total", f'plan="{p}"') for p in PD_PLANS}
+
+
+async def turn(
+    http: aiohttp.ClientSession, url: str, reference: Reference, prompt: list[int], session: str
+) -> tuple[str, list[int], int]:
+    """One greedy request checked against the reference; the plan it took, its tokens, its cached tokens."""
+    before = await plan_counts(http, url)
+    out = await complete(http, url, prompt, 16, session)
+    after = await plan_counts(http, url)
+    tokens = out["choices"][0]["token_ids"]
+    assert tokens == await reference.tokens(prompt, 16)
+    (taken,) = [p for p in PD_PLANS if after[p] == before[p] + 1]
+    return taken, tokens, out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def test_auto_on_prefill_decode_engines_picks_remote_local_and_hbm_paths(
+    pd_cluster: dict[str, Any], reference: Reference
+) -> None:
+    url, rng = pd_cluster["url"], random.Random(3)
+    plans, cached, context = [], [], []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        for n in (300, 90, 250):  # cold; a short append; a long append
+            prompt = context + [rng.randrange(3, 250) for _ in range(n)]
+            taken, tokens, hit = await turn(http, url, reference, prompt, "pd")
+            plans.append(taken)
+            cached.append(hit)
+            context = prompt + tokens
+        errors = await metric(http, url, "kvpath_router_plan_ttft_error_seconds_count")
+    assert plans == ["remote/recompute", "local/hbm", "remote/hbm"], plans
+    # the local turn takes the whole resident context; the remote one the kept blocks, streamed to the PE
+    assert cached == [0, 300 + 16 - 1, (406 + 16) // BLOCK * BLOCK], cached
+    assert errors >= 3  # each request's measured TTFT against its prediction
+
+
+async def test_auto_plans_around_a_dead_prefill_engine(
+    pd_cluster: dict[str, Any], reference: Reference
+) -> None:
+    """Last in the module: it kills the prefill engine."""
+    url, rng = pd_cluster["url"], random.Random(4)
+    pe: ServiceProcess = pd_cluster["pe"]
+    pe.kill()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        # before the router notices, a plan may still name the PE: the request fails fast or goes local
+        body = {"model": "tiny", "prompt": [5] * 300, "max_tokens": 4, "temperature": 0}
+        async with http.post(f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(10)) as resp:
+            assert resp.status in (200, 503), await resp.text()
+        deadline = asyncio.get_running_loop().time() + 10
+        while not await router_sees_exactly(http, url, 1):  # the router stopped hearing from the PE
+            assert asyncio.get_running_loop().time() < deadline, "the router kept the dead prefill engine"
+            await asyncio.sleep(0.05)
+        prompt = [rng.randrange(3, 250) for _ in range(300)]  # remote while the PE lived
+        taken, tokens, _ = await turn(http, url, reference, prompt, "dead-pe")
+        assert taken == "local/recompute"
+        again, _, hit = await turn(http, url, reference, prompt + tokens + [7] * 40, "dead-pe")
+        assert again == "local/hbm" and hit == 300 + 16 - 1
+
+
+async def router_sees_exactly(http: aiohttp.ClientSession, url: str, count: int) -> bool:
+    async with http.get(f"{url}/health") as resp:
+        return bool((await resp.json())["engines"] == count)

@@ -8,8 +8,10 @@ import time
 
 import pytest
 
+from services.policy.auto import Source, enumerate_plans
 from services.router import metrics
 from services.router.auto_dispatch import AutoDispatch, build_auto_dispatch
+from services.router.auto_pd import remote_history
 from services.router.config import RouterConfig
 from services.router.engines import EngineTable
 from shared.protocol import KvFormat, LoadReport, TokenBatch
@@ -19,18 +21,21 @@ from shared.protocol.tasks import KvPlan, RequestPlan
 FMT = KvFormat(fingerprint="tiny;dtype=float32;block_size=64", block_size=64, bytes_per_token=4096)
 
 
-def dispatch() -> AutoDispatch:
+COLOCATED = (("e0", "colocated", 0), ("e1", "colocated", 0), ("storage-0", "storage", 0))
+PD = (("pe", "prefill", 0), ("de", "decode", 1), ("s0", "storage", 0), ("s1", "storage", 1))
+
+
+def dispatch(
+    services: tuple[tuple[str, str, int], ...] = COLOCATED, decode_engines: str = "session"
+) -> AutoDispatch:
     engines = EngineTable(silence_timeout_s=3.0)
     now = time.monotonic()
-    for i, engine_id in enumerate(("e0", "e1", "storage-0")):
-        role = "storage" if engine_id.startswith("storage") else "colocated"
-        rates = (
-            {"prefill_tokens_per_s": 2000.0} if role == "colocated" else {"read_bandwidth_bytes_per_s": 1e8}
-        )
+    for i, (engine_id, role, node) in enumerate(services):
+        rates = {"prefill_tokens_per_s": 2000.0} if role != "storage" else {"read_bandwidth_bytes_per_s": 1e8}
         report = LoadReport(
             service_id=engine_id,
             role=role,
-            node=0,
+            node=node,
             seq=1,
             sent_at=0.0,
             free_kv_blocks=1000,
@@ -39,7 +44,7 @@ def dispatch() -> AutoDispatch:
             num_running=i % 2,
         )
         engines.update(report, now=now)
-    return AutoDispatch(engines, bus=None, router_id="x", ack_timeout_s=1.0)  # type: ignore[arg-type]
+    return AutoDispatch(engines, None, "x", 1.0, decode_engines=decode_engines)  # type: ignore[arg-type]
 
 
 def plan(request_id: str) -> RequestPlan:
@@ -95,3 +100,33 @@ def test_auto_is_a_router_policy_and_keeps_move_the_query() -> None:
     built = build_auto_dispatch(config, EngineTable(silence_timeout_s=3.0), None, "x")  # type: ignore[arg-type]
     assert isinstance(built, AutoDispatch) and built.held_routing is not None
     assert build_auto_dispatch(RouterConfig(policy="auto"), built.engines, None, "x").held_routing is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("decode_engines", "offered", "never"),
+    [
+        ("session", {"local/hbm", "remote/hbm", "local/storage", "remote/storage"}, {"remote/storage-de"}),
+        ("dualpath", {"remote/storage", "remote/storage-de"}, {"local/storage", "local/hbm", "remote/hbm"}),
+    ],
+)
+def test_on_prefill_decode_engines_only_the_paths_of_the_decode_engines_are_planned(
+    decode_engines: str, offered: set[str], never: set[str]
+) -> None:
+    d = dispatch(PD, decode_engines)
+    snapshots = list(d.engines.engine_snapshots(64, ("prefill", "decode")))
+    request = d._request(snapshots, plan("p"), {"store": 32, "hbm:de": 32})
+    snapshot = d._snapshot(snapshots, {"store": 32, "hbm:de": 32})
+    labels = {p.label for p in enumerate_plans(request, snapshot, d.profiles())}
+    assert offered <= labels and not never & labels, labels
+    assert snapshot.local_on_decode == (decode_engines == "session")
+
+
+def test_the_history_of_a_remote_plan_is_what_the_decode_engine_kept_or_storage() -> None:
+    hashes = list(range(8))
+    kept = remote_history(hashes, Source.HBM, 6, 7, kept_blocks=8)
+    assert (kept.num_hit_blocks, kept.read_side) == (7, "hbm")  # never more than a prefill may skip
+    gone = remote_history(hashes, Source.HBM, 6, 7, kept_blocks=0)  # planned hbm, the session's KV is gone
+    assert (gone.num_hit_blocks, gone.read_side) == (6, "pe")
+    stored = remote_history(hashes, Source.STORAGE, 6, 7, kept_blocks=5)
+    assert (stored.num_hit_blocks, stored.read_side) == (6, "pe")
+    assert remote_history(hashes, Source.RECOMPUTE, 6, 7, kept_blocks=5).num_hit_blocks == 0
