@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from loadgen.profiles import PROFILES
 from loadgen.sim.models import GB, SimModel, get_model
-from services.policy.placement import POLICIES
+from services.policy.table_placement import POLICIES
 from shared.config import check, doc
 from shared.errors import ConfigError
 

@@ -1,5 +1,5 @@
 """The global scheduler on the simulated clock: a FIFO of waiting requests and, on a change, one call of the
-round function the live router's `place_round` runs (`services/policy/round.py` `place_table_round`) over the
+round function the live router runs (`services/policy/round.py` `place_table_round`) over the
 engines' unfinished requests and tokens, free KV and node read queues, with `thresholds_from_rates` from the
 nodes' read rates and the PEs' measured prefill rates. The loads are a `LoadTable` the cluster keeps up to
 date (only engines whose loads changed are rewritten), not a snapshot rebuilt per round.

@@ -3,11 +3,12 @@
 Inputs are a snapshot of the engines and nodes, the FIFO of waiting requests (head first), the thresholds and
 the state carried from the previous round; the output is the placements (a FIFO prefix of the queue), the
 state for the next round, and why nothing was placed when nothing could be. Pure: no clock, no I/O. The
-live router passes snapshots (`place_round`); the simulator keeps a `LoadTable` up to date between rounds
-and passes it (`place_table_round`), so a round costs what it places, not what the cluster holds. Both run
-the policies of `table_placement.py`, which decide what `placement.py`'s reference rules decide.
+live router (`services/router/load_sync.py`) and the simulator each keep a `LoadTable` up to date between
+rounds and pass it (`place_table_round`), so a round costs what it places, not what the cluster holds;
+`place_round` builds a fresh table from snapshots (tests, one-off callers). Both run the policies of
+`table_placement.py`, which decide what the reference rules (`tests/reference_placement.py`) decide.
 
-Three things beyond `placement.place`, none of which changes a decision:
+Three things beyond the policy itself, none of which changes a decision:
 * Missing roles: with no live prefill or decode engine nothing can be placed; the result says which role is
   missing, so the live router fails its waiters at once (503) instead of at their deadline.
 * Skipped rounds: when the FIFO's head fits nowhere (no PE under beta, or no DE with room for it), every
@@ -74,7 +75,7 @@ def place_round(
     *,
     force_read_side: str = "",
 ) -> RoundResult:
-    """One round of a disaggregated `policy` over snapshots (the live router: a fresh table per round)."""
+    """One round of a disaggregated `policy` over snapshots (a fresh table: tests and one-off callers)."""
     table = LoadTable.of(engines, nodes)
     return place_table_round(policy, table, queue, thresholds, state, force_read_side=force_read_side)
 

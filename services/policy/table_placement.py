@@ -1,9 +1,10 @@
-"""The placement policies of `placement.py` over a `LoadTable`: the same decisions, at a cost that follows the
-requests placed rather than the engines in the cluster.
+"""DualPath's placement policies (PE, DE and read side per request) over a `LoadTable`, at a cost that
+follows the requests placed rather than the engines in the cluster.
 
-`placement.py` states the rules over a `ClusterSnapshot` and stays the reference; this module is what
-`round.py` runs. What it does differently, none of which changes a decision (`tests/unit/policy` compares
-the two on random snapshot sequences):
+`tests/reference_placement.py` states the same rules plainly over a `ClusterSnapshot` (the paper's wording,
+one engine object at a time); it is the oracle this module is tested against, and this module is what
+`round.py` runs for the router and the simulator. What it does differently, none of which changes a
+decision (`tests/unit/policy` compares the two on random snapshot sequences):
 * whole-cluster questions (which PEs are under beta, has any DE room) are a bisect of sorted loads;
 * decode groups and their token totals come from the table, kept up to date as loads change, and only the
   groups that receive a request run the in-group rule;
@@ -17,7 +18,6 @@ import heapq
 from collections.abc import Callable, Sequence
 
 from services.policy.load_table import LoadTable
-from services.policy.placement import POLICIES
 from services.policy.snapshot import (
     ROLE_DECODE,
     ROLE_PREFILL,
@@ -29,6 +29,8 @@ from services.policy.snapshot import (
 )
 from services.policy.thresholds import Thresholds
 from shared.errors import ConfigError
+
+POLICIES = ("dualpath", "basic", "dualpath-rr")  # disaggregated: a PE, a DE and a read side per request
 
 # ------------------------------------------------------------------------------------------ PE (5.2)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from services.policy.ampd import SESSION_POLICIES, SLACK_ORDERS
 from services.policy.auto import AUTO
 from services.policy.colocated import COLOCATED_POLICIES
-from services.policy.placement import POLICIES
+from services.policy.table_placement import POLICIES
 from services.router.auto_pd import PD_PATHS
 from shared.config import BaseConfig, check, doc
 

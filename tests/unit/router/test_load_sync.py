@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from services.policy.load_table import LoadTable
-from services.policy.placement import POLICIES
 from services.policy.round import RoundState, place_table_round
 from services.policy.snapshot import ROLE_DECODE, ROLE_PREFILL, PendingRequest
 from services.policy.thresholds import Thresholds
 from services.router.engines import ROLE_STORAGE, EngineTable
 from shared.protocol import KvFormat, LoadReport
+from tests.reference_placement import POLICIES
 
 FMT = KvFormat(fingerprint="tiny;dtype=float32;block_size=64", block_size=64, bytes_per_token=4096)
 OTHER = KvFormat(fingerprint="tiny;dtype=bfloat16;block_size=64", block_size=64, bytes_per_token=2048)

