@@ -63,6 +63,7 @@ class _Open:
     dispatched_at: float
     span: Any
     raw_ttft_s: float  # the prediction before calibration
+    task_id: str  # the id the engines know the request by (a retried dispatch's own)
 
 
 @dataclass(slots=True)
@@ -116,6 +117,7 @@ class AutoDispatch(ColocatedDispatch):
         self._picked: dict[str, Decision] = {}
         self._open: dict[str, _Open] = {}
         self._engines_of: dict[str, tuple[str, str]] = {}  # request -> (prefill, decode) until it leaves
+        self._request_of: dict[str, str] = {}  # a retried dispatch's id for the engines -> its request
 
     # ------------------------------------------------------------------------------------------ decide
 
@@ -224,9 +226,9 @@ class AutoDispatch(ColocatedDispatch):
     ) -> dict[str, float]:
         started = time.monotonic()
         if has_pd_engines(self.engines):
-            timings, decided = await dispatch_pd(self, self.decide, plan, deadline, streams, locality)
-            self._opened(plan.request_id, decided, started)
-            return timings
+            sent = await dispatch_pd(self, self.decide, plan, deadline, streams, locality)
+            self._opened(plan.request_id, sent.decision, started, sent.task_id)
+            return sent.timings
         try:
             timings = await super().dispatch(plan, deadline, streams, locality)
         finally:
@@ -235,7 +237,9 @@ class AutoDispatch(ColocatedDispatch):
             self._opened(plan.request_id, decision, started)
         return timings
 
-    def _opened(self, request_id: str, decision: Decision, started: float) -> None:
+    def _opened(self, request_id: str, decision: Decision, started: float, task_id: str = "") -> None:
+        """`task_id`: the id its first token comes under, a retried dispatch's own (default the request's)."""
+        task_id = task_id or request_id
         chosen, runner = decision.chosen, decision.runner_up
         metrics.PLANS.labels(chosen.label).inc()
         cal = self.calibration
@@ -259,12 +263,16 @@ class AutoDispatch(ColocatedDispatch):
                 "runner_up_cost_s": runner.cost_s,
             }
         span = telemetry.start_span("auto_plan", attributes=attributes)
-        self._open[request_id] = _Open(decision, started, span, raw_s)
+        self._open[request_id] = _Open(decision, started, span, raw_s, task_id)
+        if task_id != request_id:
+            self._request_of[task_id] = request_id
 
     def on_token_batch(self, batch: TokenBatch, now: float) -> None:
         for delta in batch.deltas:
-            if delta.seq == 0 and delta.request_id in self._open:
-                self._closed(delta.request_id, now - self._open[delta.request_id].dispatched_at)
+            request_id = self._request_of.get(delta.request_id, delta.request_id)
+            done = self._open.get(request_id)
+            if delta.seq == 0 and done is not None and done.task_id == delta.request_id:
+                self._closed(request_id, now - done.dispatched_at)
 
     def release(self, request_id: str) -> None:
         if request_id in self._open:
@@ -274,6 +282,7 @@ class AutoDispatch(ColocatedDispatch):
 
     def _closed(self, request_id: str, measured_s: float | None) -> None:
         done = self._open.pop(request_id)
+        self._request_of.pop(done.task_id, None)
         chosen = done.decision.chosen
         if measured_s is None:
             self.ledger.drop(chosen.prefill_engine, request_id)

@@ -1,32 +1,38 @@
 """`--policy auto` on prefill/decode engines: the plan auto's cost model chose, executed with the P/D sends.
 
 What the topology offers depends on its decode engines (`--auto-decode-engines`):
-  session   (`--session-kv`, what `kvpath up --policy auto --prefill-nodes N --decode-nodes M` starts, AMPD's
-            decode workers) prefill locally from the session's resident KV (`local/hbm`), from storage on
-            their node (`local/storage`) or from nothing (`local/recompute`); remotely (a PE prefills) the
-            history is streamed from the decode engine's cache (`remote/hbm`, read side `hbm`), read on the
-            PE's node (`remote/storage`, read side `pe`), or recomputed (`remote/recompute`);
-  dualpath  (DualPath's decode engines) only decode: a PE prefills, reading the stored prefix on its own node
-            (`remote/storage`) or on the decode engine's (`remote/storage-de`, read side `de`: the decode
-            engine reads it and streams it over), or recomputing it.
+  session   (`--session-kv`, what `kvpath up --policy auto --prefill-nodes N --decode-nodes M` starts by
+            default, AMPD's decode workers) prefill locally from the session's resident KV (`local/hbm`),
+            from storage on their node (`local/storage`) or from nothing (`local/recompute`); remotely (a PE
+            prefills) the history is streamed from the decode engine's cache (`remote/hbm`, read side
+            `hbm`), read on the PE's node (`remote/storage`, read side `pe`), or recomputed
+            (`remote/recompute`);
+  dualpath  (DualPath's decode engines, `kvpath up ... --auto-decode-engines dualpath`) only decode: a PE
+            prefills, reading the stored prefix on its own node (`remote/storage`) or on the decode engine's
+            (`remote/storage-de`, read side `de`: the decode engine reads it and streams it over), or
+            recomputing it.
 `PD_PATHS` says so to the model (`AutoSnapshot.sources`, `local_on_decode`), so a path the topology does not
-offer is never chosen. A decode engine that refuses or cannot be reached, and a PE that fails after its
-decode engine took the turn, are left out of the next decision (up to MAX_DISPATCH_ATTEMPTS): the request
-goes to another pair or prefills locally, and a dead PE is out of every plan once its load reports stop.
+offer is never chosen. A send that fails leaves out of the next decision only the engine at fault (up to
+MAX_DISPATCH_ATTEMPTS): a decode engine that refuses or cannot be reached, or a PE that fails after its
+decode engine took the turn (that turn is aborted); the request goes to another pair or prefills locally on
+the same decode engine, under a retry's own id (`attempt_request_id`), so the abort never meets it. A dead
+PE is out of every plan once its load reports stop.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from functools import partial
 
 from services.policy.auto import LOCAL, Decision, Plan, Source
 from services.policy.snapshot import ROLE_DECODE, ROLE_PREFILL, EngineSnapshot
-from services.router.dispatch import MAX_DISPATCH_ATTEMPTS, Dispatch, publish_abort
+from services.router.dispatch import MAX_DISPATCH_ATTEMPTS, Dispatch, attempt_request_id, publish_abort
 from services.router.engines import EngineTable
-from services.router.pd_tasks import send_local, send_remote, stored_blocks
+from services.router.pd_tasks import prefill_turn, send_local, stored_blocks, take_turn
 from services.router.streams import StreamTable
 from shared.blocks import max_hit_blocks
 from shared.errors import (
@@ -58,6 +64,21 @@ def has_pd_engines(engines: EngineTable) -> bool:
     return bool(engines.live(time.monotonic(), roles=PD_ROLES))
 
 
+@dataclass(slots=True)
+class SentPlan:
+    timings: dict[str, float]  # the router's stage timings
+    decision: Decision  # the one that was sent
+    task_id: str  # the id the engines know the request by (a retry's own: `attempt_request_id`)
+
+
+class EngineFault(Exception):
+    """A send failed at one engine, with an error worth another decision without it."""
+
+    def __init__(self, engine_id: str, error: KvpathError) -> None:
+        super().__init__(error.message)
+        self.engine_id, self.error = engine_id, error
+
+
 async def dispatch_pd(
     auto: Dispatch,
     decide: Decide,
@@ -65,34 +86,41 @@ async def dispatch_pd(
     deadline: float,
     streams: StreamTable,
     locality: Mapping[str, int],
-) -> tuple[dict[str, float], Decision]:
-    """Decide among the P/D plans, send the chosen one; on a refusal or a failed PE, decide again without
-    the engines that failed (`decide`: auto's plan over the engines given, `AutoDispatch.decide`). Return the
-    router's stage timings and the decision that was sent."""
+) -> SentPlan:
+    """Decide among the P/D plans, send the chosen one; on a refusal or a failed engine, abort that attempt
+    and decide again without the engine at fault (`decide`: auto's plan over the engines given,
+    `AutoDispatch.decide`). Each retry goes under its own id, so the abort never meets it."""
     block_size = _block_size(auto)
     stored = stored_blocks(plan, locality, block_size)
-    kv = plan.kv  # the sends rewrite it; every decision starts from the index's answer
     tried: set[str] = set()
     error: KvpathError | None = None
-    for _ in range(MAX_DISPATCH_ATTEMPTS):
-        plan.kv = kv
+    for attempt in range(MAX_DISPATCH_ATTEMPTS):
+        task = replace(plan, request_id=attempt_request_id(plan.request_id, attempt))
         engines = [e for e in auto.engines.engine_snapshots(block_size, PD_ROLES) if e.engine_id not in tried]
-        decision = decide(engines, plan, locality)
+        decision = decide(engines, task, locality)
         if decision is None:
             break
+        if attempt:
+            streams.retarget(plan.request_id, task.request_id)
         chosen = decision.chosen
         streams.assign(plan.request_id, chosen.decode_engine)
         try:
-            timings = await _send(auto, plan, chosen, stored, deadline, streams)
-        except RETRIED as exc:
+            timings = await _send(auto, task, chosen, stored, deadline, streams)
+        except EngineFault as fault:
             for engine_id in {chosen.decode_engine, chosen.prefill_engine}:
                 streams.unassign(plan.request_id, engine_id)
-            log.warning("auto plan failed request_id=%s plan=%s: %s", plan.request_id, chosen.label, exc)
-            await publish_abort(auto.bus, plan.request_id, "dispatch failed")
-            tried |= {chosen.decode_engine, chosen.prefill_engine}  # a same-id retry could meet the abort
-            error = exc
+            log.warning(
+                "auto plan failed request_id=%s plan=%s engine=%s: %s",
+                plan.request_id,
+                chosen.label,
+                fault.engine_id,
+                fault.error.message,
+            )
+            await publish_abort(auto.bus, task.request_id, "dispatch failed")
+            tried.add(fault.engine_id)
+            error = fault.error
             continue
-        return timings, decision
+        return SentPlan(timings, decision, task.request_id)
     if isinstance(error, OverloadedError):
         raise error
     raise NoEngineAvailableError(
@@ -104,21 +132,37 @@ async def _send(
     auto: Dispatch, plan: RequestPlan, chosen: Plan, stored: int, deadline: float, streams: StreamTable
 ) -> dict[str, float]:
     """Execute the plan: a local prefill on the decode engine, or a remote one with the history's source."""
-    de, hashes = chosen.decode_engine, plan.kv.block_hashes
+    pe, de, hashes = chosen.prefill_engine, chosen.decode_engine, plan.kv.block_hashes
     if chosen.where == LOCAL:  # the engine takes its resident KV by itself; storage only when planned
-        return await send_local(auto, plan, de, stored if chosen.source is Source.STORAGE else 0, deadline)
-    pair = (chosen.prefill_engine, de)
-    if chosen.source is Source.STORAGE_DE:  # the decode engine reads, from the moment it takes the turn
-        read = KvPlan(block_hashes=hashes, num_hit_blocks=stored, read_side="de")
-        return await send_remote(auto, plan, pair, lambda _: read, deadline, streams, de_kv=read)
+        with _at_fault(de):
+            loaded = stored if chosen.source is Source.STORAGE else 0
+            return await send_local(auto, plan, de, loaded, deadline)
     usable = max_hit_blocks(plan.num_prompt_tokens, _block_size(auto))
     history = partial(remote_history, hashes, chosen.source, stored, usable)
-    return await send_remote(auto, plan, pair, history, deadline, streams)
+    # storage-de: the decode engine reads, from the moment it takes the turn
+    de_kv = history(0) if chosen.source is Source.STORAGE_DE else None
+    placed = time.monotonic()
+    with _at_fault(de):
+        buffer = await take_turn(auto, plan, (pe, de), deadline, de_kv=de_kv)
+    with _at_fault(pe):
+        return await prefill_turn(auto, plan, (pe, de), buffer, history, deadline, streams, placed=placed)
+
+
+@contextmanager
+def _at_fault(engine_id: str) -> Iterator[None]:
+    """Name the engine behind an error that another decision, without that engine, may get around."""
+    try:
+        yield
+    except RETRIED as exc:
+        raise EngineFault(engine_id, exc) from exc
 
 
 def remote_history(hashes: list[int], source: Source, stored: int, usable: int, kept_blocks: int) -> KvPlan:
     """The PE's KV plan once the decode engine named the blocks it kept: those (`hbm`), the stored prefix
-    read on the PE's node (`pe`: planned, or `hbm` planned but nothing kept), or none."""
+    read on the PE's node (`pe`: planned, or `hbm` planned but nothing kept) or on the DE's (`de`: the DE
+    had it from the start), or none."""
+    if source is Source.STORAGE_DE:
+        return KvPlan(block_hashes=hashes, num_hit_blocks=stored, read_side="de")
     kept = min(kept_blocks, usable)
     if source is Source.HBM and kept > 0:
         return KvPlan(block_hashes=hashes, num_hit_blocks=kept, read_side="hbm")

@@ -200,9 +200,10 @@ class RouterCore:
                 self.is_idle.set()
             if group is not None:
                 group.left.add(request_id)
-            self.streams.close(request_id)
+            task_ids = self.streams.close(request_id)
             if not is_finished:
-                await publish_abort(self.bus, request_id, "client gone or request failed")
+                for task_id in task_ids:
+                    await publish_abort(self.bus, task_id, "client gone or request failed")
 
     async def _open(
         self,

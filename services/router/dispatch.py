@@ -37,6 +37,12 @@ MAX_DISPATCH_ATTEMPTS = 3
 ENGINE_LOCAL_TIERS = ("hbm", "dram")  # KV locations that belong to one engine (`<tier>:<engine id>`)
 
 
+def attempt_request_id(request_id: str, attempt: int) -> str:
+    """The id a dispatch sends attempt `attempt` (0, 1, ...) of a request under: the first keeps the
+    request's own; a retry gets its own, so the abort of the attempt before never meets it on an engine."""
+    return request_id if attempt == 0 else f"{request_id}-retry{attempt}"
+
+
 def local_blocks(locality: Mapping[str, int], engine_id: str) -> int:
     """Leading prompt blocks engine `engine_id` holds in its own tiers."""
     return max((locality.get(f"{tier}:{engine_id}", 0) for tier in ENGINE_LOCAL_TIERS), default=0)

@@ -21,7 +21,7 @@ from services.router.streams import StreamTable
 from shared.blocks import max_hit_blocks
 from shared.errors import KvpathError, error_from_code
 from shared.protocol import GenerateTask, KvPlan, Message, RequestPlan, TaskAck
-from shared.protocol.tasks import DecodeTask, PrefillTask
+from shared.protocol.tasks import BufferRef, DecodeTask, PrefillTask
 
 HistoryPlan = Callable[[int], KvPlan]  # the decode engine's kept blocks -> the prefill engine's KV plan
 
@@ -73,23 +73,45 @@ async def send_remote(
     *,
     de_kv: KvPlan | None = None,
 ) -> dict[str, float]:
-    """`pair` = (prefill engine, decode engine): the DE first (with `de_kv`, default no hits: it keeps what
-    it holds), then the PE with `history(kept blocks)`. Return the router's stage timings."""
-    pe, de = pair
+    """`pair` = (prefill engine, decode engine): the DE takes the turn (`take_turn`), then the PE prefills it
+    (`prefill_turn`). Return the router's stage timings."""
     placed = time.monotonic()
+    buffer = await take_turn(dispatch, plan, pair, deadline, de_kv=de_kv)
+    return await prefill_turn(dispatch, plan, pair, buffer, history, deadline, streams, placed=placed)
+
+
+async def take_turn(
+    dispatch: Dispatch, plan: RequestPlan, pair: tuple[str, str], deadline: float, *, de_kv: KvPlan | None
+) -> BufferRef:
+    """The DE reserves the buffer its PE writes into (`de_kv`; None: no hits, it keeps what it holds)."""
+    pe, de = pair
     plan.kv = de_kv if de_kv is not None else KvPlan(block_hashes=plan.kv.block_hashes)
     de_ack = await ask(dispatch, de, DecodeTask(plan=plan, pe_id=pe), deadline)
     raise_refusal(de_ack, "decode engine refused the turn")
     if de_ack.buffer is None:
         raise error_from_code("internal_error", f"decode engine {de} named no buffer")
     dispatch.engines.note_assigned(de, plan.num_prompt_tokens, kv_tokens=kv_need(plan))
-    plan.kv = history(de_ack.buffer.num_kept_blocks)
+    return de_ack.buffer
+
+
+async def prefill_turn(
+    dispatch: Dispatch,
+    plan: RequestPlan,
+    pair: tuple[str, str],
+    buffer: BufferRef,
+    history: HistoryPlan,
+    deadline: float,
+    streams: StreamTable,
+    *,
+    placed: float,
+) -> dict[str, float]:
+    """The PE prefills the DE's turn with `history(kept blocks)` (`placed`: when the sends began)."""
+    pe = pair[0]
+    plan.kv = history(buffer.num_kept_blocks)
     timings = {"schedule_s": 0.0, "allocate_s": time.monotonic() - placed}
     streams.assign(plan.request_id, pe)
     try:
-        pe_ack = await ask(
-            dispatch, pe, PrefillTask(plan=plan, de_buffer=de_ack.buffer, timings=timings), deadline
-        )
+        pe_ack = await ask(dispatch, pe, PrefillTask(plan=plan, de_buffer=buffer, timings=timings), deadline)
     except KvpathError as exc:  # the DE holds a turn nobody will prefill: drop it, fail the request
         await publish_abort(dispatch.bus, plan.request_id, "prefill engine unreachable")
         raise error_from_code("engine_failed", f"prefill engine {pe}: {exc.message}") from exc

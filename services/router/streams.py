@@ -2,7 +2,9 @@
 
 Engines publish one `TokenBatch` per step; `StreamTable.deliver` routes each delta to its request's queue in
 sequence order. A missing sequence number (a lost message) fails that request with a clear error rather than
-silently dropping tokens; a duplicate is ignored.
+silently dropping tokens; a duplicate is ignored. A dispatch that retries a request sends the new attempt
+under its own id (`retarget`): engines then know the request by that id, and the failed attempt's deltas are
+dropped.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class RequestStream:
     next_seq: int = 0
     is_finished: bool = False
     choice_ids: list[str] = field(default_factory=list)  # choice 0's: the other choices of its one task
+    task_ids: list[str] = field(default_factory=list)  # the engines' ids of it, the live attempt's last
 
     def put_error(self, error: KvpathError) -> None:
         if not self.is_finished:
@@ -44,20 +47,28 @@ class StreamTable:
     def __init__(self) -> None:
         self._streams: dict[str, RequestStream] = {}
         self._by_engine: dict[str, set[str]] = defaultdict(set)
+        self._by_task: dict[str, str] = {}  # a retried attempt's id -> its request's id
 
     def __len__(self) -> int:
         return len(self._streams)
 
     def open(self, request_id: str, engine_id: str = "") -> RequestStream:
         """Open a stream; tokens are accepted at once, even before an engine is assigned."""
-        stream = RequestStream(request_id=request_id)
+        stream = RequestStream(request_id=request_id, task_ids=[request_id])
         self._streams[request_id] = stream
         if engine_id:
             self.assign(request_id, engine_id)
         return stream
 
+    def retarget(self, request_id: str, task_id: str) -> None:
+        """A retried dispatch sends the request under `task_id`: take its deltas, drop the earlier attempts'
+        (an abort for an attempt names its id, so it never stops the next one)."""
+        self._streams[request_id].task_ids.append(task_id)
+        self._by_task[task_id] = request_id
+
     def assign(self, request_id: str, engine_id: str) -> None:
-        """Record an engine serving the stream (its failure then fails the stream)."""
+        """Record an engine serving the stream (its failure then fails the stream); by either id."""
+        request_id = self._by_task.get(request_id, request_id)
         stream = self._streams[request_id]
         stream.engine_ids.add(engine_id)
         stream.assigned_unix_s[engine_id] = time.time()
@@ -65,6 +76,7 @@ class StreamTable:
 
     def unassign(self, request_id: str, engine_id: str) -> None:
         """The engine handed the request off: its failure no longer concerns the stream."""
+        request_id = self._by_task.get(request_id, request_id)
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.engine_ids.discard(engine_id)
@@ -74,11 +86,16 @@ class StreamTable:
             if not ids:
                 del self._by_engine[engine_id]
 
-    def close(self, request_id: str) -> None:
+    def close(self, request_id: str) -> list[str]:
+        """Drop the stream; return the ids the engines know it by (an abort names each)."""
         stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            for engine_id in list(stream.engine_ids):
-                self.unassign(request_id, engine_id)
+        if stream is None:
+            return [request_id]
+        for engine_id in list(stream.engine_ids):
+            self.unassign(request_id, engine_id)
+        for task_id in stream.task_ids[1:]:
+            del self._by_task[task_id]
+        return stream.task_ids
 
     def get(self, request_id: str) -> RequestStream | None:
         return self._streams.get(request_id)
@@ -91,9 +108,11 @@ class StreamTable:
         """
         delivered = 0
         for delta in batch.deltas:
-            stream = self._streams.get(delta.request_id)
+            stream = self._streams.get(self._by_task.get(delta.request_id, delta.request_id))
             if stream is None or stream.is_finished or delta.seq < stream.next_seq:
                 continue  # aborted, failed, or a duplicate: dropped
+            if delta.request_id != stream.task_ids[-1]:
+                continue  # an attempt the dispatch gave up on
             if delta.seq > stream.next_seq:
                 stream.held[delta.seq] = (delta, batch.engine_id, now)
                 continue

@@ -32,11 +32,15 @@ from pathlib import Path
 import aiohttp
 
 from gpu.model_spec import DEFAULT_MODEL, EMBEDDED_MODELS, PACKAGED_MODELS
-from services.policy.ampd import SESSION_COLOCATED
-from services.policy.auto import AUTO
-from services.policy.colocated import BELUGA, CACHE_AWARE, COLOCATED, COLOCATED_POLICIES
 from services.up.supervision import Child, RestartPolicy, all_healthy, die_with_parent, tail, write_atomically
-from services.up.topology import ClusterSpec, ProcessSpec, cluster_processes
+from services.up.topology import (
+    AUTO_DECODE_ENGINES,
+    SESSION_DECODE,
+    ClusterSpec,
+    ProcessSpec,
+    cluster_processes,
+    spec_from_args,
+)
 from shared.bus import Bus, Registry
 from shared.errors import KvpathError, ServiceUnavailableError
 from shared.logs import setup_logging
@@ -74,20 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-nodes", type=int, default=0, help="prefill nodes (disaggregated mode)")
     p.add_argument("--decode-nodes", type=int, default=0, help="decode nodes (disaggregated mode)")
     p.add_argument("--engines-per-node", type=int, default=1, help="engines per prefill/decode node")
-    p.add_argument(
-        "--policy",
-        default="",
-        help="colocated | beluga | cache-aware | dualpath | basic | dualpath-rr (disaggregated: default "
-        "dualpath) | ampd | disagg-remote (disaggregated, session engines) | session-colocated | auto "
-        "(one cost model over the KV paths the engines offer: colocated, or P/D with session engines)",
-    )
-    p.add_argument(
-        "--kv-tier",
-        choices=("storage", "pool", "remote"),
-        default="storage",
-        help="KV tier above storage: none, Beluga's shared pool (default policy beluga), or the "
-        "remote-memory pool baseline (default policy cache-aware)",
-    )
+    _add_policy_args(p)
     p.add_argument("--pool-bytes", type=int, default=0, help="pool / remote store capacity (0: default)")
     p.add_argument(
         "--storage-bandwidth", type=float, default=0, help="bytes/s per node storage NIC (0: unlimited)"
@@ -103,38 +94,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def spec_from_args(args: argparse.Namespace, kv_root: str) -> ClusterSpec:
-    disaggregated = args.prefill_nodes > 0 or args.decode_nodes > 0
-    if disaggregated and (args.prefill_nodes < 1 or args.decode_nodes < 1):
-        raise SystemExit("kvpath up: disaggregated mode needs --prefill-nodes >= 1 and --decode-nodes >= 1")
-    default = {"pool": BELUGA, "remote": CACHE_AWARE}.get(args.kv_tier, COLOCATED)
-    policy = args.policy or ("dualpath" if disaggregated else default)
-    if policy != AUTO and disaggregated == (policy in (*COLOCATED_POLICIES, SESSION_COLOCATED)):
-        raise SystemExit(f"kvpath up: policy {policy!r} does not fit the topology")
-    if args.kv_tier != "storage" and (disaggregated or args.no_kv_store):
-        raise SystemExit("kvpath up: --kv-tier pool|remote serves colocated engines with a KV store")
-    return ClusterSpec(
-        model=args.model,
-        policy=policy,
-        colocated_engines=args.engines,
-        prefill_nodes=args.prefill_nodes,
-        decode_nodes=args.decode_nodes,
-        engines_per_node=args.engines_per_node,
-        host=args.host,
-        http_port=args.http_port,
-        kv_root=kv_root,
-        storage_bandwidth_bytes_per_s=int(args.storage_bandwidth),
-        with_kv_store=not args.no_kv_store,
-        kv_tier=args.kv_tier,
-        pool_bytes=args.pool_bytes,
-        block_size=args.block_size,
-        extra_engine_args=_split(args.engine_arg),
-        extra_router_args=_split(args.router_arg),
+def _add_policy_args(p: argparse.ArgumentParser) -> None:
+    """The policy, what `--policy auto`'s decode engines are, the KV tier (which picks a default policy)."""
+    p.add_argument(
+        "--policy",
+        default="",
+        help="colocated | beluga | cache-aware | dualpath | basic | dualpath-rr (disaggregated: default "
+        "dualpath) | ampd | disagg-remote (disaggregated, session engines) | session-colocated | auto "
+        "(one cost model over the KV paths the engines offer: colocated, or P/D: see --auto-decode-engines)",
     )
-
-
-def _split(flags: list[str]) -> list[str]:
-    return [part for flag in flags for part in flag.split()]
+    p.add_argument(
+        "--auto-decode-engines",
+        choices=AUTO_DECODE_ENGINES,
+        default=SESSION_DECODE,
+        help="--policy auto on prefill/decode nodes: the decode engines. session: they keep sessions and may "
+        "prefill a turn themselves (local/*, remote/hbm); dualpath: DualPath's, decode only, and a PE's "
+        "stored prefix may be read on the decode node and streamed over (remote/storage-de)",
+    )
+    p.add_argument(
+        "--kv-tier",
+        choices=("storage", "pool", "remote"),
+        default="storage",
+        help="KV tier above storage: none, Beluga's shared pool (default policy beluga), or the "
+        "remote-memory pool baseline (default policy cache-aware)",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""What `kvpath up` starts: a pure description of the local cluster's processes.
+"""What `kvpath up` starts: a pure description of the local cluster's processes (`ClusterSpec`, from the
+command line's flags by `spec_from_args`; `cluster_processes`).
 
 Nodes are emulated on one host: each has its own storage service (own DRAM buffer and bandwidth budget)
 and its engines; all nodes share one store root, as nodes share a distributed file system.
@@ -6,10 +7,17 @@ and its engines; all nodes share one store root, as nodes share a distributed fi
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 from services.policy.ampd import AMPD, SESSION_COLOCATED, SESSION_POLICIES
 from services.policy.auto import AUTO
+from services.policy.colocated import BELUGA, CACHE_AWARE, COLOCATED, COLOCATED_POLICIES
+
+# `--policy auto` on P/D nodes: what the decode engines are (services/router/auto_pd.PD_PATHS, kept equal by a
+# test; importing the router here would slow `kvpath --help`)
+SESSION_DECODE = "session"
+AUTO_DECODE_ENGINES = (SESSION_DECODE, "dualpath")
 
 
 @dataclass(slots=True)
@@ -30,6 +38,7 @@ class ClusterSpec:
     )
     pool_bytes: int = 0  # pool / remote store capacity (0: the service's default)
     block_size: int = 64
+    auto_decode_engines: str = SESSION_DECODE  # auto on P/D nodes: session, or DualPath's (decode only)
     extra_engine_args: list[str] = field(default_factory=list)
     extra_router_args: list[str] = field(default_factory=list)
 
@@ -45,6 +54,45 @@ class ProcessSpec:
     args: list[str]
     kind: str  # service kind in the registry
     role: str = ""
+
+
+def spec_from_args(args: argparse.Namespace, kv_root: str) -> ClusterSpec:
+    """The cluster `kvpath up`'s flags describe, its block store at `kv_root`; flags that do not fit the
+    topology exit, saying why."""
+    disaggregated = args.prefill_nodes > 0 or args.decode_nodes > 0
+    if disaggregated and (args.prefill_nodes < 1 or args.decode_nodes < 1):
+        raise SystemExit("kvpath up: disaggregated mode needs --prefill-nodes >= 1 and --decode-nodes >= 1")
+    default = {"pool": BELUGA, "remote": CACHE_AWARE}.get(args.kv_tier, COLOCATED)
+    policy = args.policy or ("dualpath" if disaggregated else default)
+    if policy != AUTO and disaggregated == (policy in (*COLOCATED_POLICIES, SESSION_COLOCATED)):
+        raise SystemExit(f"kvpath up: policy {policy!r} does not fit the topology")
+    if args.auto_decode_engines != SESSION_DECODE and not (policy == AUTO and disaggregated):
+        raise SystemExit("kvpath up: --auto-decode-engines is for --policy auto on prefill/decode nodes")
+    if args.kv_tier != "storage" and (disaggregated or args.no_kv_store):
+        raise SystemExit("kvpath up: --kv-tier pool|remote serves colocated engines with a KV store")
+    return ClusterSpec(
+        model=args.model,
+        policy=policy,
+        colocated_engines=args.engines,
+        prefill_nodes=args.prefill_nodes,
+        decode_nodes=args.decode_nodes,
+        engines_per_node=args.engines_per_node,
+        host=args.host,
+        http_port=args.http_port,
+        kv_root=kv_root,
+        storage_bandwidth_bytes_per_s=int(args.storage_bandwidth),
+        with_kv_store=not args.no_kv_store,
+        kv_tier=args.kv_tier,
+        pool_bytes=args.pool_bytes,
+        block_size=args.block_size,
+        auto_decode_engines=args.auto_decode_engines,
+        extra_engine_args=_split(args.engine_arg),
+        extra_router_args=_split(args.router_arg),
+    )
+
+
+def _split(flags: list[str]) -> list[str]:
+    return [part for flag in flags for part in flag.split()]
 
 
 def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
@@ -71,7 +119,7 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
             procs.append(ProcessSpec(f"storage-{node}", "storage", args, kind="storage"))
     for i, (node, role) in enumerate(nodes):
         args = ["--role", role, "--node", str(node), "--model", spec.model, *common, *tier_args]
-        args += _session_args(spec.policy, role)
+        args += _session_args(spec, role)
         if not spec.with_kv_store:
             args += ["--no-persist-kv", "--no-load-kv"]
         procs.append(
@@ -95,6 +143,8 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
     ]  # the router takes the block size (and the whole KV format) from the engines' reports
     if not spec.with_kv_store:
         router_args.append("--no-use-kv-cache")
+    if spec.policy == AUTO and spec.is_disaggregated:
+        router_args += ["--auto-decode-engines", spec.auto_decode_engines]
     procs.append(ProcessSpec("router-0", "router", router_args + spec.extra_router_args, kind="router"))
     return procs
 
@@ -115,12 +165,14 @@ def _tier_processes(spec: ClusterSpec, procs: list[ProcessSpec], common: list[st
     return []
 
 
-def _session_args(policy: str, role: str) -> list[str]:
+def _session_args(spec: ClusterSpec, role: str) -> list[str]:
     """Engine flags of the session policies (AMPD and its baselines) and of `auto` on P/D nodes: decode
-    engines keep sessions (auto's `local` and `hbm` paths); under `ampd` every prefill queue is ordered by
-    Algorithm 2."""
+    engines keep sessions (auto's `local` and `hbm` paths) unless auto runs DualPath's decode engines; under
+    `ampd` every prefill queue is ordered by Algorithm 2."""
+    policy = spec.policy
     if policy == AUTO:
-        return ["--session-kv"] if role == "decode" else []
+        keeps_sessions = role == "decode" and spec.auto_decode_engines == SESSION_DECODE
+        return ["--session-kv"] if keeps_sessions else []
     if policy not in SESSION_POLICIES:
         return []
     args = ["--session-kv"] if role == "decode" else []

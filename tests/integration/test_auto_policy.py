@@ -79,6 +79,7 @@ PD_PLANS = (
     "remote/recompute",
     "remote/hbm",
     "remote/storage",
+    "remote/storage-de",
     "local/hbm",
     "local/storage",
     "local/recompute",
@@ -89,7 +90,19 @@ PD_PLANS = (
 def pd_cluster(tmp_path_factory: pytest.TempPathFactory, nats_server: NatsServer) -> Iterator[dict[str, Any]]:
     """One prefill engine (node 0) and one session decode engine (node 1) under `--policy auto`, started one
     by one so that a test can kill the prefill engine."""
-    tmp = tmp_path_factory.mktemp("auto-pd")
+    yield from pd_stack(tmp_path_factory.mktemp("auto-pd"), nats_server, silence_timeout_s=1.0)
+
+
+@pytest.fixture(scope="module")
+def pd_failover(
+    tmp_path_factory: pytest.TempPathFactory, nats_server: NatsServer
+) -> Iterator[dict[str, Any]]:
+    """The same 1P1D, whose router hears a killed engine's silence only after 30 s: until then its plans
+    still name the dead engine, and a request meets the failure in dispatch."""
+    yield from pd_stack(tmp_path_factory.mktemp("auto-pd-failover"), nats_server, silence_timeout_s=30.0)
+
+
+def pd_stack(tmp: Path, nats_server: NatsServer, *, silence_timeout_s: float) -> Iterator[dict[str, Any]]:
     profile = tmp / "profile.json"
     profile.write_text(json.dumps(PD_PROFILE))
     stack = Stack(tmp, nats_server, "t" + uuid.uuid4().hex[:10])
@@ -97,9 +110,10 @@ def pd_cluster(tmp_path_factory: pytest.TempPathFactory, nats_server: NatsServer
     for node in (0, 1):
         stack.start("storage", f"storage-{node}", "--node", str(node), "--root", str(tmp / "store"))
     pe = stack.start("engine", "pe-0", "--role", "prefill", "--node", "0", "--model", "tiny")
-    stack.start("engine", "de-0", "--role", "decode", "--session-kv", "--node", "1", "--model", "tiny")
+    de = stack.start("engine", "de-0", "--role", "decode", "--session-kv", "--node", "1", "--model", "tiny")
     router = ("--http-port", "0", "--policy", "auto", "--cost-profile", str(profile))
-    stack.start("router", "router-0", *router, "--engine-silence-timeout-s", "1.0")
+    silence = ("--engine-silence-timeout-s", str(silence_timeout_s))
+    router_proc = stack.start("router", "router-0", *router, *silence)
     ids = {"index-0", "storage-0", "storage-1", "pe-0", "de-0", "router-0"}
 
     async def ready() -> dict[str, Any]:
@@ -110,7 +124,7 @@ def pd_cluster(tmp_path_factory: pytest.TempPathFactory, nats_server: NatsServer
             return await wait_ready(bus, ids, stack.procs, num_engines=2)
 
     services = asyncio.run(ready())
-    yield {"url": services["router-0"].http_url, "pe": pe}
+    yield {"url": services["router-0"].http_url, "pe": pe, "de": de, "router": router_proc}
     stack.stop()
 
 
@@ -176,3 +190,58 @@ async def test_auto_plans_around_a_dead_prefill_engine(
 async def router_sees_exactly(http: aiohttp.ClientSession, url: str, count: int) -> bool:
     async with http.get(f"{url}/health") as resp:
         return bool((await resp.json())["engines"] == count)
+
+
+async def test_auto_prefills_on_the_decode_engine_when_the_only_prefill_engine_died_after_it_took_the_turn(
+    pd_failover: dict[str, Any], reference: Reference
+) -> None:
+    """The router still plans remote on the killed PE: the decode engine takes the turn, the PE does not
+    answer, and the request is prefilled locally on the decode engine under a retry's own id (the abort of
+    the first attempt does not meet it), with the reference's greedy tokens; the next turn finds the
+    session's KV resident."""
+    url, rng = pd_failover["url"], random.Random(5)
+    pd_failover["pe"].kill()  # SIGKILL
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        assert await router_sees_exactly(http, url, 2)  # the kill is not heard yet: plans still name the PE
+        prompt = [rng.randrange(3, 250) for _ in range(300)]  # remote while the PE lives
+        taken, tokens, _ = await turn(http, url, reference, prompt, "pe-died")
+        again, _, hit = await turn(http, url, reference, prompt + tokens + [7] * 40, "pe-died")
+        assert await router_sees_exactly(http, url, 2)
+    assert (taken, again, hit) == ("local/recompute", "local/hbm", 300 + 16 - 1)
+    failed = pd_failover["router"].log()
+    assert "plan=remote/recompute engine=pe-0" in failed, failed  # the first attempt met the dead PE
+
+
+async def test_auto_fails_fast_with_an_openai_error_when_the_only_decode_engine_died(
+    pd_failover: dict[str, Any],
+) -> None:
+    """Last on `pd_failover`: it kills the decode engine. Plans still name it; each request fails in
+    dispatch, at once, with OpenAI's error body (streamed or not), never waiting for the silence."""
+    url = pd_failover["url"]
+    pd_failover["de"].kill()
+    body = {"model": "tiny", "prompt": [5] * 300, "max_tokens": 4, "temperature": 0}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        for stream in (False, True):
+            async with http.post(f"{url}/v1/completions", json=body | {"stream": stream}) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 503 and error["code"] == "no_engine_available", error
+        assert await router_sees_exactly(http, url, 2)  # failed fast: before the router heard the silence
+
+
+async def test_kvpath_up_starts_dualpath_decode_engines_for_auto(
+    tmp_path: Path, reference: Reference
+) -> None:
+    """`kvpath up --policy auto --auto-decode-engines dualpath`: decode-only engines, so every turn is
+    prefilled on the PE; the second finds the first's prefix stored (read on either node)."""
+    pd = ("--prefill-nodes", "1", "--decode-nodes", "1")
+    up = UpProcess(tmp_path, "--policy", "auto", *pd, "--auto-decode-engines", "dualpath")
+    try:
+        rng = random.Random(6)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            prompt = [rng.randrange(3, 250) for _ in range(300)]
+            first, tokens, _ = await turn(http, up.url, reference, prompt, "dualpath")
+            second, _, hit = await turn(http, up.url, reference, prompt + tokens + [9] * 40, "dualpath")
+    finally:
+        assert up.stop() == 0, up.log()
+    assert first == "remote/recompute" and second in ("remote/storage", "remote/storage-de"), (first, second)
+    assert hit == 300 // BLOCK * BLOCK
