@@ -128,6 +128,13 @@ class AuthenticationError(KvpathError):
     error_type = "invalid_request_error"
 
 
+class NotFoundError(InvalidRequestError):
+    """An object the request names does not exist (OpenAI's 404 for a file or a batch)."""
+
+    code = "not_found"
+    http_status = 404
+
+
 class RequestTooLargeError(InvalidRequestError):
     code = "request_too_large"
     http_status = 413

@@ -4,7 +4,9 @@ A chunk is the leading full blocks of a prompt this engine prefilled: when such 
 connector hands its first blocks over (`pin`) instead of letting the scheduler free them, so the chunk is
 prefilled once and never copied. Every block hash of a chunk finds it, so a request sharing only the first
 k blocks of a chunk can route over those k. Chunks live within `budget_blocks`; pinning beyond it evicts the
-least recently used chunk no route session is using. The index hears of each chunk as location
+least recently used chunk that no route session is using and no client named. A client names a chunk with
+the `kv_chunk` request extension (`name`): the request's prompt is kept as a chunk under that name (or an
+existing chunk covering it takes the name), pinned until `unpin`. The index hears of each chunk as location
 `held:<engine>` (BlockStored on pin, BlockRemoved on eviction, Cleared at start and stop); events that
 cannot be published are logged and dropped: they only steer routing, a stale entry makes a route open fail
 and the requester falls back.
@@ -23,7 +25,7 @@ from shared.background import Background
 from shared.bus import Bus
 from shared.errors import KvpathError
 from shared.kvclient import KvEventPublisher
-from shared.protocol.movequery import HeldChunkInfo, held_location
+from shared.protocol.movequery import ChunkName, HeldChunkInfo, held_location
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ class HeldChunk:
     block_size: int
     num_sessions: int = 0  # route sessions reading it (an evictable chunk has none)
     last_used: float = field(default_factory=time.monotonic)
+    names: set[str] = field(default_factory=set)  # clients' names: pinned while it has one
+    tenant: str = ""  # the names' tenant
 
     @property
     def num_tokens(self) -> int:
@@ -77,13 +81,20 @@ class HeldChunks:
             n += 1
         return chunk, n
 
-    def pin(self, block_ids: list[int], block_hashes: list[int]) -> HeldChunk | None:
+    def pin(
+        self, block_ids: list[int], block_hashes: list[int], name: ChunkName | None = None
+    ) -> HeldChunk | None:
         """Take ownership of a finished request's leading blocks as a chunk; None (nothing taken) when the
-        budget cannot make room or the chunk is held already."""
+        budget cannot make room or the chunk is held already. A named pin first drops idle, unnamed chunks it
+        overlaps (it supersedes them) and takes the name."""
         n = len(block_ids)
-        if n == 0 or n != len(block_hashes) or block_hashes[0] in self._by_hash:
+        if n == 0 or n != len(block_hashes):
             return None
-        if not self._make_room(n):
+        if name is not None:
+            overlapping = self._by_hash.get(block_hashes[0], (None, 0))[0]
+            if overlapping is not None and not overlapping.names and overlapping.num_sessions == 0:
+                self.evict(overlapping)
+        if block_hashes[0] in self._by_hash or not self._make_room(n):
             return None
         chunk = HeldChunk(list(block_ids), list(block_hashes), self.block_size)
         self.chunks.append(chunk)
@@ -91,16 +102,42 @@ class HeldChunks:
             self._by_hash.setdefault(h, (chunk, i))
         if self.events is not None:
             self.events.stored(chunk)
+        if name is not None:
+            self.name(chunk, name)
         log.info("holding chunk blocks=%d hash=%016x", n, block_hashes[-1])
         return chunk
 
+    def name(self, chunk: HeldChunk, name: ChunkName) -> None:
+        """Give `chunk` the client's name (pinning it), taking it off the chunk it named before: that one is
+        evictable again unless it has other names."""
+        for other in self.chunks:
+            if other is not chunk and other.tenant == name.tenant:
+                other.names.discard(name.name)
+        chunk.names.add(name.name)
+        chunk.tenant = name.tenant
+        chunk.last_used = time.monotonic()
+
+    def unpin(self, name: ChunkName) -> list[HeldChunk]:
+        """Drop the name; a chunk left without names and route sessions is freed now. The chunks it named."""
+        named = [c for c in self.chunks if c.tenant == name.tenant and name.name in c.names]
+        for chunk in named:
+            chunk.names.discard(name.name)
+            if not chunk.names and chunk.num_sessions == 0:
+                self.evict(chunk)
+        return named
+
     def _make_room(self, num_blocks: int) -> bool:
-        if num_blocks > self.budget_blocks:
+        """Evict idle, unnamed chunks, least recently used first, until `num_blocks` more fit; none when
+        they would not fit even then."""
+        idle = sorted(
+            (c for c in self.chunks if c.num_sessions == 0 and not c.names), key=lambda c: c.last_used
+        )
+        kept = self.num_blocks - sum(len(c.block_ids) for c in idle)
+        if kept + num_blocks > self.budget_blocks:
             return False
-        idle = sorted((c for c in self.chunks if c.num_sessions == 0), key=lambda c: c.last_used)
-        while self.num_blocks + num_blocks > self.budget_blocks and idle:
+        while self.num_blocks + num_blocks > self.budget_blocks:
             self.evict(idle.pop(0))
-        return self.num_blocks + num_blocks <= self.budget_blocks
+        return True
 
     def evict(self, chunk: HeldChunk) -> None:
         self.chunks.remove(chunk)
@@ -119,7 +156,7 @@ class HeldChunks:
         chunk.num_sessions = max(0, chunk.num_sessions - 1)
         chunk.last_used = time.monotonic()
 
-    def infos(self) -> list[HeldChunkInfo]:
+    def infos(self, chunks: Sequence[HeldChunk] | None = None) -> list[HeldChunkInfo]:
         now_unix, now = time.time(), time.monotonic()
         return [
             HeldChunkInfo(
@@ -127,8 +164,10 @@ class HeldChunks:
                 num_tokens=c.num_tokens,
                 num_sessions=c.num_sessions,
                 last_used_unix_s=now_unix - (now - c.last_used),
+                names=sorted(c.names),
+                tenant=c.tenant,
             )
-            for c in self.chunks
+            for c in (self.chunks if chunks is None else chunks)
         ]
 
 

@@ -32,7 +32,16 @@ from services.engine.route_region import RouteRegion, peer_ref
 from services.engine.route_shape import partial_bytes_per_token, query_bytes_per_token
 from shared.errors import InvalidRequestError, KvpathError, OverloadedError, ProtocolError
 from shared.protocol import Ack, decode, encode
-from shared.protocol.movequery import PartialQuery, PartialReply, RouteClose, RouteOpen, RouteOpened
+from shared.protocol.movequery import (
+    ChunkList,
+    ChunkQuery,
+    ChunkUnpin,
+    PartialQuery,
+    PartialReply,
+    RouteClose,
+    RouteOpen,
+    RouteOpened,
+)
 from shared.transport import KvReceiver, Notice
 
 log = logging.getLogger(__name__)
@@ -145,13 +154,25 @@ class HolderServer:
 
     # ------------------------------------------------------------------------------------------ control
 
-    message_types = (RouteOpen, RouteClose)  # what `route.<engine>` carries
+    message_types = (RouteOpen, RouteClose, ChunkQuery, ChunkUnpin)  # what `route.<engine>` carries
 
-    async def handle(self, msg: RouteOpen | RouteClose, ctx: Any) -> RouteOpened | Ack:
+    async def handle(
+        self, msg: RouteOpen | RouteClose | ChunkQuery | ChunkUnpin, ctx: Any
+    ) -> RouteOpened | Ack | ChunkList:
         """The bus handler of `route.<engine>` (errors go back as error replies)."""
         if isinstance(msg, RouteOpen):
             return await self.open(msg)
+        if isinstance(msg, ChunkQuery):
+            return self._chunk_list([c for c in self.held.chunks if c.names and c.tenant == msg.tenant])
+        if isinstance(msg, ChunkUnpin):
+            return self._chunk_list(self.held.unpin(msg.chunk))
         return await self.close_session(msg)
+
+    def _chunk_list(self, chunks: list[HeldChunk]) -> ChunkList:
+        infos = self.held.infos(chunks)
+        for info in infos:
+            info.engine_id = self.engine_id
+        return ChunkList(chunks=infos)
 
     async def open(self, msg: RouteOpen) -> RouteOpened:
         chunk = self.held.find(msg.chunk_hash, msg.num_blocks)
@@ -300,4 +321,5 @@ class HolderServer:
             "holder_compute_s": self.batcher.compute_s,
             "num_holder_sessions": len(self._sessions),
             "num_held_blocks": self.held.num_blocks,
+            "hold_budget_blocks": self.held.budget_blocks,
         }

@@ -105,6 +105,12 @@ SESSION_PREFIX_SOURCE = Counter(
 HOLDER_SESSIONS = Counter(
     "kvpath_engine_holder_sessions_total", "Route sessions asked of this holder, by outcome", ["outcome"]
 )
+HELD_PINS = Counter(
+    "kvpath_engine_held_pins_total",
+    "Requests naming a chunk (`kv_chunk`), by outcome: new (pinned now), named (an existing chunk took the "
+    "name), failed (no room among unnamed chunks, or the prompt has no full block)",
+    ["outcome"],
+)
 HOLDER_BATCH = Histogram(
     "kvpath_engine_holder_batch_size",
     "Route queries answered by one partial-attention call",

@@ -9,9 +9,10 @@
   fallback (fetch: the store's blocks, as any hit; local: recompute); one that fails later falls back inside
   the step (route_session.py). Preemption ends the route: the request is recomputed here.
 - holder (`hold_bytes` > 0): when a request finishes, the leading full blocks of its prompt are pinned as a
-  chunk (if long enough and not sharing a held chunk) instead of being freed; `holder_server.py` serves the
-  route sessions; a request that lands on the holder itself copies the chunk's blocks into its own before
-  layer 0.
+  chunk (if long enough and not sharing a held chunk) instead of being freed; a request naming a chunk
+  (`plan.pin`, the `kv_chunk` extension) keeps them under that name, whatever their length, or names the held
+  chunk that covers them; `holder_server.py` serves the route sessions; a request that lands on the holder
+  itself copies the chunk's blocks into its own before layer 0.
 Plans with primitive `fetch` or `local` need nothing here: the router set their stored hits accordingly.
 """
 
@@ -39,7 +40,7 @@ from shared.blocks import max_hit_blocks
 from shared.errors import KvpathError
 from shared.hashing import fingerprint_seed
 from shared.protocol import RouteCapability
-from shared.protocol.movequery import HeldPrefix
+from shared.protocol.movequery import ChunkName, HeldPrefix
 from shared.protocol.tasks import BufferRef, PullHits, PullHitsReply, Task
 
 log = logging.getLogger(__name__)
@@ -208,9 +209,36 @@ class RouteConnector(KvConnector):
 
     def finish(self, seq: Sequence) -> Awaitable[None] | None:
         wait = self.inner.finish(seq)
-        if self.held is not None and seq.finish_reason in ("stop", "length") and seq.route is None:
-            self._pin(seq)
+        if self.held is not None and seq.finish_reason in ("stop", "length"):
+            if seq.plan.pin is not None:
+                self._pin_named(seq, seq.plan.pin)
+            elif seq.route is None:
+                self._pin(seq)
         return wait
+
+    def _pin_named(self, seq: Sequence, name: ChunkName) -> None:
+        """Keep the prompt's leading full blocks under the client's name: a held chunk covering all of them
+        takes the name, else they become a new chunk (one copied in from a shorter chunk here supersedes it
+        when that one is idle and unnamed)."""
+        assert self.held is not None
+        n = min(seq.num_prompt_tokens, seq.num_computed_tokens) // self.block_size
+        chunk, covered = self.held.longest(seq.block_hashes[:n])
+        if chunk is not None and covered == n > 0:
+            self.held.name(chunk, name)
+            metrics.HELD_PINS.labels("named").inc()
+            return
+        state = seq.route
+        if state is not None and state.held is not None:  # its blocks are copies: the shorter chunk may go
+            self.held.release(state.held)
+            state.held = None
+        routed = state is not None and state.session is not None  # its blocks lack the chunk
+        if n > 0 and not routed and len(seq.block_ids) >= n:
+            if self.held.pin(seq.block_ids[:n], seq.block_hashes[:n], name) is not None:
+                seq.block_ids = seq.block_ids[n:]  # the scheduler frees the rest
+                metrics.HELD_PINS.labels("new").inc()
+                return
+        metrics.HELD_PINS.labels("failed").inc()
+        log.warning("chunk %r not pinned request_id=%s: %d full blocks", name.name, seq.request_id, n)
 
     def _pin(self, seq: Sequence) -> None:
         """Keep the prompt's leading full blocks as a held chunk (they are not freed with the request)."""

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from services.router import metrics, tokenize_api
+from services.router import chunks_api, metrics, tokenize_api
 from services.router.auth import TENANT
 from services.router.choices import merged_pieces
 from services.router.core import Piece, RouterCore, Usage
@@ -81,6 +81,7 @@ def add_api_routes(app: web.Application, ctx: ApiContext) -> None:
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model_id:.+}", _model)
     tokenize_api.add_routes(app, lambda request: request.app[API_CONTEXT])
+    chunks_api.add_routes(app, lambda request: request.app[API_CONTEXT].core)
 
 
 def _model_card(ctx: ApiContext) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from shared.bus import Bus
 from shared.errors import (
     DeadlineExceededError,
     EngineFailedError,
+    InvalidRequestError,
     KvpathError,
     NoEngineAvailableError,
     OverloadedError,
@@ -41,6 +42,7 @@ from shared.errors import (
 )
 from shared.hashing import kv_salt
 from shared.protocol import LoadReport, RequestPlan, TokenBatch, TokenDelta
+from shared.protocol.movequery import ChunkName
 from shared.protocol.tasks import choice_request_id
 
 log = logging.getLogger(__name__)
@@ -260,6 +262,11 @@ class RouterCore:
         if kv_format is None:
             raise NoEngineAvailableError("no engine has reported yet")
         sampling = sampling_params(prompt, choice, num_choices)
+        pin = None
+        if prompt.request.kv_chunk:  # names are the tenant's own, as its KV is
+            if getattr(self.dispatch, "held_routing", None) is None:
+                raise InvalidRequestError("'kv_chunk' needs a router run with --move-query", param="kv_chunk")
+            pin = ChunkName(name=prompt.request.kv_chunk, tenant=prompt.request.tenant)
         salt = kv_salt(prompt.request.tenant, prompt.request.cache_salt)
         planned = await self.kv_planner.plan(prompt.token_ids, kv_format, request_id, salt)
         plan = RequestPlan(
@@ -272,6 +279,7 @@ class RouterCore:
             kv=planned.kv,
             ttft_slo_s=(prompt.request.ttft_slo_ms or self.config.ttft_slo_ms) / 1000,
             itl_slo_s=(prompt.request.itl_slo_ms or self.config.itl_slo_ms) / 1000,
+            pin=pin,
         )
         return plan, planned.blocks_by_location
 

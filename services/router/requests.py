@@ -13,6 +13,7 @@ from typing import Any
 from services.router.tools import ToolSpec, parse_tools, tool_fields
 from shared.errors import InvalidRequestError
 from shared.protocol.messages import SamplingParams
+from shared.protocol.movequery import check_chunk_name
 
 MAX_STOP_SEQUENCES = 4
 _SESSION_HEADER = "X-Session-Id"
@@ -69,6 +70,7 @@ class GenerationRequest:
     tenant: str = ""  # the caller's tenant (services/router/auth.py), set by the API after parsing
     ttft_slo_ms: float | None = None  # extension: this request's SLOs (AMPD routes and orders by them)
     itl_slo_ms: float | None = None
+    kv_chunk: str = ""  # extension (move the query): keep the prompt as a held chunk under this name
 
 
 def _range(name: str) -> tuple[float, float]:
@@ -191,7 +193,21 @@ def _common(body: dict[str, Any], endpoint: str, session_id: str) -> GenerationR
         cache_salt=_cache_salt(body),
         ttft_slo_ms=_slo_ms(body, "ttft_slo_ms"),
         itl_slo_ms=_slo_ms(body, "itl_slo_ms"),
+        kv_chunk=_kv_chunk(body),
     )
+
+
+def _kv_chunk(body: dict[str, Any]) -> str:
+    value = body.get("kv_chunk")
+    if value is None:
+        return ""
+    try:
+        return check_chunk_name(value if isinstance(value, str) else "")
+    except ValueError:
+        raise _bad(
+            "'kv_chunk' must be a string of 1 to 128 letters, digits or . _ : - (the name of a chunk)",
+            "kv_chunk",
+        ) from None
 
 
 def _slo_ms(body: dict[str, Any], name: str) -> float | None:

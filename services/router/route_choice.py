@@ -8,12 +8,17 @@ the fabric constants from a calibrated profile or the uncalibrated fallback) and
 the plan as a `HeldPrefix`; the engine does the rest (`services/engine/route.py`). Mode `auto` takes the
 argmin; `route`, `fetch` and `local` force one primitive wherever it is possible (benchmarks and tests: the
 holder itself is then not picked while another engine can take the request, so every candidate uses it).
+A request naming a chunk (`plan.pin`, the `kv_chunk` extension) is the chunk's source, never a candidate: it
+goes to an engine holding its whole prompt prefix, else to the engine its name went to last, else to any
+engine that holds chunks; that engine keeps the prompt under the name (`services/engine/route.py`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -39,6 +44,7 @@ from shared.protocol.tasks import RequestPlan
 log = logging.getLogger(__name__)
 
 MODES = ("", "auto", "route", "fetch", "local")
+MAX_NAMES = 4096  # (tenant, chunk name) -> the engine a naming request went to, most recent kept
 
 
 def load_profile(path: str) -> CostProfile | None:
@@ -61,6 +67,7 @@ class HeldRouting:
         self.mode = mode
         self.profile = profile
         self.fabric = fabric
+        self.names: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     def holders(self, locality: Mapping[str, int]) -> dict[str, int]:
         """Live engines holding a leading chunk of this prompt -> how many blocks of it."""
@@ -76,6 +83,8 @@ class HeldRouting:
         """Engines not to pick for this request while another can take it. A forced mode: the holders, so
         every candidate uses the forced primitive. `auto` may serve a request on the holder itself (which
         copies the chunk into the request's blocks), unless the holder's free KV cannot take it."""
+        if plan is not None and plan.pin is not None:
+            return self._not_for_pin(plan, locality)
         if self.mode != "auto":
             return set(self.holders(locality))
         if plan is None:
@@ -83,25 +92,49 @@ class HeldRouting:
         need = plan.num_prompt_tokens + plan.sampling.max_tokens
         return {h for h in self.holders(locality) if self.free_kv_tokens(h) < need}
 
+    def _not_for_pin(self, plan: RequestPlan, locality: Mapping[str, int]) -> set[str]:
+        """The engines a request naming a chunk should not go to: all but the preferred ones (holders of
+        its whole prefix, else the engine its name went to, else any engine that may hold chunks)."""
+        assert plan.pin is not None
+        live = {s.report.service_id: s.report for s in self.engines.live(time.monotonic())}
+        can_hold = {e for e, r in live.items() if r.route is not None and r.route.hold_budget_blocks > 0}
+        full = max_hit_blocks(plan.num_prompt_tokens, self._block_size())
+        holding = {h for h, n in self.holders(locality).items() if n >= full > 0}
+        named = {self.names.get((plan.pin.tenant, plan.pin.name), "")}
+        for preferred in (holding & can_hold, named & can_hold, can_hold):
+            if preferred:
+                return set(live) - preferred
+        return set()
+
+    def _block_size(self) -> int:
+        return self.engines.kv_format.block_size if self.engines.kv_format else 1
+
     def free_kv_tokens(self, engine_id: str) -> int:
         """The engine's free KV after the work queued on it: the report's free blocks less what the router
         sent since and what the engine's queued requests will need (`waiting_kv_tokens`)."""
         state = self.engines.get(engine_id)
         if state is None:
             return 0
-        block_size = self.engines.kv_format.block_size if self.engines.kv_format else 1
+        block_size = self._block_size()
         return state.snapshot(block_size).free_kv_tokens - state.report.waiting_kv_tokens
 
     def apply(self, plan: RequestPlan, engine_id: str, locality: Mapping[str, int]) -> None:
         """Set `plan.kv.held` for the engine the request goes to (cleared when nothing is held elsewhere) and
         count the KV the choice keeps there, so the requests dispatched before its next report see it."""
         plan.kv.held = None
+        if plan.pin is not None:  # the chunk's source: computed or loaded here, then kept under the name
+            key = (plan.pin.tenant, plan.pin.name)
+            self.names[key] = engine_id
+            self.names.move_to_end(key)
+            while len(self.names) > MAX_NAMES:
+                self.names.popitem(last=False)
+            return
         requester = self.engines.get(engine_id)
         holders = {h: n for h, n in self.holders(locality).items() if h != engine_id}
         if not holders or requester is None or requester.report.route is None:
             return
         holder_id, n = max(holders.items(), key=lambda item: item[1])
-        block_size = self.engines.kv_format.block_size if self.engines.kv_format else 1
+        block_size = self._block_size()
         n = min(n, max_hit_blocks(plan.num_prompt_tokens, block_size))
         holder = self.engines.get(holder_id)
         assert holder is not None and holder.report.route is not None  # `holders` keeps only such engines
@@ -148,7 +181,7 @@ class HeldRouting:
     ) -> HeldPrefix:
         """The plan's move-the-query part; the hit blocks set for the primitive."""
         profile = self.profile or fallback_profile(shape)
-        chunk = n * (self.engines.kv_format.block_size if self.engines.kv_format else 1)
+        chunk = n * self._block_size()
         take = local_s(profile, chunk)
         if num_store >= n:
             take = min(take, fetch_s(profile, chunk))

@@ -65,6 +65,7 @@ class RouteCapability(Message):
         "holder_compute_s": (0.0, None),
         "num_holder_sessions": (0, None),
         "num_held_blocks": (0, None),
+        "hold_budget_blocks": (0, None),
     }
     num_layers: int
     rows_per_token: int  # query rows per token (its query heads)
@@ -75,6 +76,7 @@ class RouteCapability(Message):
     holder_compute_s: float = 0.0  # its last attention call per exchange
     num_holder_sessions: int = 0
     num_held_blocks: int = 0
+    hold_budget_blocks: int = 0  # blocks it may hold (0: not a holder: keeps no chunks, takes no names)
 
 
 @message

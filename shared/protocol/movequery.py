@@ -22,6 +22,7 @@ holds one layer at a time; step and layer travel in the meta and must come in or
 
 from __future__ import annotations
 
+import re
 from dataclasses import field
 from typing import Any
 
@@ -29,6 +30,7 @@ from shared.protocol.codec import Message, message
 
 PRIMITIVES = ("route", "fetch", "local")
 HELD_TIER = "held"  # index location `held:<engine id>`
+CHUNK_NAME = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's name of a chunk (`kv_chunk` extension)
 
 
 def held_location(engine_id: str) -> str:
@@ -126,4 +128,49 @@ class HeldChunkInfo(Message):
     num_tokens: int
     num_sessions: int = 0
     last_used_unix_s: float = 0.0
-    names: list[str] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)  # the clients' names of it (pinned while it has one)
+    tenant: str = ""  # whose names they are
+    engine_id: str = ""  # its holder (set in `ChunkList` replies)
+
+
+def check_chunk_name(name: str) -> str:
+    if not CHUNK_NAME.fullmatch(name):
+        raise ValueError(f"a chunk name is 1 to 128 of A-Z a-z 0-9 . _ : -, got {name[:140]!r}")
+    return name
+
+
+@message
+class ChunkName(Message):
+    """A client's name for a chunk, within its tenant (the `kv_chunk` request extension). In a request's plan:
+    the engine keeps the prompt's leading full blocks as a held chunk under this name, pinned (never evicted
+    to make room) until `ChunkUnpin`; the name moves off any chunk it named before on that engine."""
+
+    KIND = "chunk_name"
+    name: str
+    tenant: str = ""
+
+    def check(self) -> None:
+        check_chunk_name(self.name)
+
+
+@message
+class ChunkUnpin(Message):
+    """router -> holder (`route.<engine>`): drop the name; a chunk left without names and sessions is freed
+    now. Reply: `ChunkList` of the chunks that carried it."""
+
+    KIND = "chunk_unpin"
+    chunk: ChunkName
+
+
+@message
+class ChunkQuery(Message):
+    """router -> holder (`route.<engine>`): the tenant's named chunks. Reply: `ChunkList`."""
+
+    KIND = "chunk_query"
+    tenant: str = ""
+
+
+@message
+class ChunkList(Message):
+    KIND = "chunk_list"
+    chunks: list[HeldChunkInfo] = field(default_factory=list)

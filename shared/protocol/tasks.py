@@ -29,7 +29,7 @@ from typing import Any
 
 from shared.protocol.codec import U64_MAX, Message, message
 from shared.protocol.messages import SamplingParams
-from shared.protocol.movequery import HeldPrefix
+from shared.protocol.movequery import ChunkName, HeldPrefix
 from shared.protocol.subjects import check_token
 
 MAX_ID_CHARS = 256
@@ -88,6 +88,7 @@ class RequestPlan(Message):
     kv: KvPlan = field(default_factory=KvPlan)
     ttft_slo_s: float = 0.0  # the request's SLOs (AMPD: prefill reordering); 0: none given
     itl_slo_s: float = 0.0
+    pin: ChunkName | None = None  # move the query: keep the prompt as a held chunk under this name
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -154,3 +154,76 @@ async def test_fan_in_routes_to_the_holder_with_identical_tokens_and_survives_it
             fallbacks += counter(text, "kvpath_engine_route_requests_total", primitive="fallback_local")
         assert fallbacks == 1
         assert all(p.proc.poll() is None for p in others)
+
+
+async def named_chunks(http: aiohttp.ClientSession, url: str, key: str) -> list[dict[str, Any]]:
+    async with http.get(f"{url}/v1/kv_chunks", headers={"Authorization": f"Bearer {key}"}) as resp:
+        assert resp.status == 200, await resp.text()
+        body = await resp.json()
+        assert body["object"] == "list" and body["unreachable"] == []
+        return list(body["data"])
+
+
+async def test_a_named_chunk_is_pinned_listed_per_tenant_routed_to_and_deleted(
+    stack: tuple[Stack, Bus], tmp_path: Any
+) -> None:
+    """`kv_chunk`: a prompt kept under a client's name on the holder even below `--hold-min-tokens`, listed
+    to its tenant only, routed to by another engine's requests with the tokens of a cached prefix, and
+    deleted (404 for another tenant, freed for the owner); a router without --move-query refuses the field."""
+    s, bus = stack
+    alice, bob = "sk-alice-0123456789", "sk-bob-00123456789"
+    (tmp_path / "keys").write_text(f"{alice} alice\n{bob} bob\n")
+    rng = random.Random(7)
+    doc = [rng.randrange(3, 250) for _ in range(DOC_TOKENS)]
+    agent = doc + [rng.randrange(3, 250) for _ in range(50)]
+    s.start("index", "index-0")
+    holder_args = (*engine_args("shm", holds=True)[:-1], str(1 << 20))  # only named chunks are held
+    s.start("engine", "engine-0", *holder_args)
+    keys = ("--api-key-file", str(tmp_path / "keys"))
+    s.start("router", "router-0", "--http-port", "0", "--move-query", "route", *keys)
+    s.start("router", "router-1", "--http-port", "0", *keys)
+    ready = await wait_ready(bus, {"index-0", "engine-0", "router-0", "router-1"}, s.procs)
+    url, plain_url = ready["router-0"].http_url, ready["router-1"].http_url
+    auth = {"Authorization": f"Bearer {alice}"}
+
+    async def post(u: str, prompt: list[int], key: str = alice, **extra: Any) -> tuple[int, dict[str, Any]]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        body |= {"return_token_ids": True, **extra}
+        headers = {"Authorization": f"Bearer {key}"}
+        async with http.post(f"{u}/v1/completions", json=body, headers=headers) as resp:
+            return resp.status, dict(await resp.json())
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        for u, name, error in ((url, "a b", "128 letters"), (plain_url, "repo", "--move-query")):
+            status, out = await post(u, doc, kv_chunk=name)
+            assert status == 400 and error in out["error"]["message"] and out["error"]["param"] == "kv_chunk"
+        status, out = await post(url, agent)  # served with no chunk held anywhere
+        assert status == 200, out
+        want = tokens(out)
+        status, out = await post(url, doc, kv_chunk="repo")
+        assert status == 200, out
+        deadline = asyncio.get_running_loop().time() + 30
+        while not (listed := await named_chunks(http, url, alice)):  # pinned when the request finished
+            assert asyncio.get_running_loop().time() < deadline, "the named chunk was never listed"
+            await asyncio.sleep(0.05)
+        assert [(c["id"], c["holder"], c["tokens"]) for c in listed] == [("repo", "engine-0", DOC_TOKENS)]
+        assert await named_chunks(http, url, bob) == []
+
+        s.start("engine", "engine-1", *engine_args("shm", holds=False))
+        ready = await wait_ready(bus, {"engine-0", "engine-1", "router-0"}, s.procs, num_engines=2)
+        status, out = await post(url, agent)
+        assert status == 200 and tokens(out) == want  # on engine-1, the document routed
+        text = await engine_metrics(http, ready["engine-1"].http_url)
+        assert counter(text, "kvpath_engine_route_requests_total", primitive="route") == 1
+        text = await engine_metrics(http, ready["engine-0"].http_url)
+        assert counter(text, "kvpath_engine_held_pins_total", outcome="new") == 1
+
+        async with http.delete(
+            f"{url}/v1/kv_chunks/repo", headers={"Authorization": f"Bearer {bob}"}
+        ) as resp:
+            assert resp.status == 404 and (await resp.json())["error"]["code"] == "not_found"
+        async with http.delete(f"{url}/v1/kv_chunks/repo", headers=auth) as resp:
+            assert resp.status == 200 and (await resp.json())["deleted"] is True
+        assert await named_chunks(http, url, alice) == []
+        async with http.delete(f"{url}/v1/kv_chunks/repo", headers=auth) as resp:
+            assert resp.status == 404
