@@ -37,7 +37,7 @@ from services.policy.movequery_profile import fallback_profile, profile_from_dic
 from services.router import metrics
 from services.router.engines import EngineTable
 from shared.blocks import max_hit_blocks
-from shared.errors import ConfigError
+from shared.errors import ConfigError, NoEngineAvailableError
 from shared.protocol.movequery import HELD_TIER, HeldPrefix
 from shared.protocol.tasks import RequestPlan
 
@@ -101,10 +101,14 @@ class HeldRouting:
         full = max_hit_blocks(plan.num_prompt_tokens, self._block_size())
         holding = {h for h, n in self.holders(locality).items() if n >= full > 0}
         named = {self.names.get((plan.pin.tenant, plan.pin.name), "")}
-        for preferred in (holding & can_hold, named & can_hold, can_hold):
+        if not can_hold:
+            raise NoEngineAvailableError(
+                "no live engine holds chunks (--hold-bytes): 'kv_chunk' cannot be kept"
+            )
+        for preferred in (holding & can_hold, named & can_hold):
             if preferred:
                 return set(live) - preferred
-        return set()
+        return set(live) - can_hold
 
     def _block_size(self) -> int:
         return self.engines.kv_format.block_size if self.engines.kv_format else 1

@@ -1,17 +1,21 @@
 """Move the query at the router: a request whose prompt starts with a chunk another live engine holds gets a
 `HeldPrefix` priced by the cost model (auto) or forced (route / fetch / local); nothing held elsewhere, a
-dead or draining holder, or a requester that does not speak the protocol leaves the plan alone."""
+dead or draining holder, or a requester that does not speak the protocol leaves the plan alone. A request
+naming a chunk (`kv_chunk`) is steered to the engine that should keep it."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
 from services.router.engines import EngineTable
 from services.router.route_choice import HeldRouting
+from shared.errors import NoEngineAvailableError
 from shared.protocol import KvFormat, LoadReport, RouteCapability
 from shared.protocol.messages import SamplingParams
+from shared.protocol.movequery import ChunkName
 from shared.protocol.tasks import KvPlan, RequestPlan
 
 FMT = KvFormat(fingerprint="tiny;dtype=float32;block_size=64", block_size=64, bytes_per_token=4096)
@@ -118,3 +122,48 @@ def test_auto_routes_the_burst_the_requester_cannot_hold_copies_for() -> None:
     full = table(free_kv_blocks=96, waiting={"e0": 6000})
     full_holder = HeldRouting(full, mode="auto", profile=None, fabric="shm")
     assert full_holder.avoid(locality, plan(64 * 32 + 300, 32)) == {"e0"}
+
+
+def holders_table(*holders: str) -> EngineTable:
+    """e0 and e1, the ones named may hold chunks."""
+    engines = EngineTable(silence_timeout_s=3.0)
+    for engine_id in ("e0", "e1"):
+        budget = 100 if engine_id in holders else 0
+        route = dataclasses.replace(ROUTE, hold_budget_blocks=budget)
+        report = LoadReport(
+            service_id=engine_id,
+            role="colocated",
+            node=0,
+            seq=1,
+            sent_at=0.0,
+            free_kv_blocks=1000,
+            kv_format=FMT,
+        )
+        report.route = route
+        engines.update(report, now=time.monotonic())
+    return engines
+
+
+def pinned(prompt_tokens: int, name: str = "repo", tenant: str = "t") -> RequestPlan:
+    p = plan(prompt_tokens, 4)
+    p.pin = ChunkName(name=name, tenant=tenant)
+    return p
+
+
+def test_a_request_naming_a_chunk_goes_to_a_holder_of_its_prefix_else_where_its_name_went() -> None:
+    routing = HeldRouting(holders_table("e0", "e1"), mode="route", profile=None, fabric="shm")
+    p = pinned(64 * 4 + 10)
+    assert routing.avoid({"held:e1": 4}, p) == {"e0"}  # e1 holds its whole prefix
+    assert routing.avoid({"held:e1": 3}, p) == set()  # a part only: any holder
+    routing.apply(p, "e0", {"held:e1": 3})
+    assert p.kv.held is None  # the chunk's source is never routed, fetched or recomputed elsewhere
+    assert routing.avoid({}, pinned(64 * 9)) == {"e1"}  # the name went to e0: a new version goes there too
+    assert routing.avoid({}, pinned(64 * 9, tenant="other")) == set()  # names are per tenant
+    assert routing.avoid({"held:e1": 4}, plan(64 * 4 + 10, 4)) == {"e1"}  # unnamed: the forced mode's rule
+
+
+def test_a_request_naming_a_chunk_avoids_engines_that_cannot_hold_and_fails_without_any() -> None:
+    routing = HeldRouting(holders_table("e1"), mode="auto", profile=None, fabric="shm")
+    assert routing.avoid({}, pinned(200)) == {"e0"}
+    with pytest.raises(NoEngineAvailableError, match="kv_chunk"):
+        HeldRouting(holders_table(), mode="auto", profile=None, fabric="shm").avoid({}, pinned(200))
