@@ -84,6 +84,22 @@ def test_match_counts_leading_hits_per_tier_and_location() -> None:
     assert index.match(np.array([10], dtype=np.uint64)).per_location["hbm:e2"] == 1
 
 
+def test_match_sees_masks_that_change_after_the_first_block() -> None:
+    """`match` takes a shortcut when every block has the same mask; masks that differ later (a hole in
+    one location, more holders further on) still give exact per-location prefixes."""
+    chain = list(range(100, 140))
+    index = BlockIndex()
+    index.apply(stored(chain))
+    index.apply(stored(chain[10:], location="dram:0", source="d0"))  # lacks the first block: no prefix
+    assert index.match(chain).per_location == {"store": 40}
+    index.apply(stored(chain[:20] + chain[21:], location="hbm:e1", source="e1"))  # a hole at block 20
+    out = index.match(np.array(chain, dtype=np.uint64))
+    assert out.num_hit_blocks == 40
+    assert out.per_location == {"store": 40, "hbm:e1": 20}
+    assert out.per_tier == {"store": 40, "hbm": 20}
+    assert index.match(chain[:20]).per_location == {"store": 20, "hbm:e1": 20}
+
+
 def test_duplicates_and_replays_are_ignored() -> None:
     index = BlockIndex()
     first = stored([1, 2, 3], source="dup")
