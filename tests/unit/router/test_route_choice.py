@@ -34,10 +34,13 @@ def table(
     draining: bool = False,
     free_kv_blocks: int = 1000,
     waiting: dict[str, int] | None = None,
+    holds: tuple[str, ...] = (),
 ) -> EngineTable:
+    """e0 and e1; those in `holds` may hold chunks."""
     engines = EngineTable(silence_timeout_s=3.0)
     now = time.monotonic()
     for engine_id in ("e0", "e1"):
+        route = dataclasses.replace(ROUTE, hold_budget_blocks=100 if engine_id in holds else 0)
         report = LoadReport(
             service_id=engine_id,
             role="colocated",
@@ -47,7 +50,7 @@ def table(
             free_kv_blocks=free_kv_blocks,
             kv_format=FMT,
             waiting_kv_tokens=(waiting or {}).get(engine_id, 0),
-            route=ROUTE if holder_speaks or engine_id != "e0" else None,
+            route=route if holder_speaks or engine_id != "e0" else None,
             is_draining=draining and engine_id == "e0",
         )
         engines.update(report, now=now)
@@ -124,26 +127,6 @@ def test_auto_routes_the_burst_the_requester_cannot_hold_copies_for() -> None:
     assert full_holder.avoid(locality, plan(64 * 32 + 300, 32)) == {"e0"}
 
 
-def holders_table(*holders: str) -> EngineTable:
-    """e0 and e1, the ones named may hold chunks."""
-    engines = EngineTable(silence_timeout_s=3.0)
-    for engine_id in ("e0", "e1"):
-        budget = 100 if engine_id in holders else 0
-        route = dataclasses.replace(ROUTE, hold_budget_blocks=budget)
-        report = LoadReport(
-            service_id=engine_id,
-            role="colocated",
-            node=0,
-            seq=1,
-            sent_at=0.0,
-            free_kv_blocks=1000,
-            kv_format=FMT,
-        )
-        report.route = route
-        engines.update(report, now=time.monotonic())
-    return engines
-
-
 def pinned(prompt_tokens: int, name: str = "repo", tenant: str = "t") -> RequestPlan:
     p = plan(prompt_tokens, 4)
     p.pin = ChunkName(name=name, tenant=tenant)
@@ -151,7 +134,7 @@ def pinned(prompt_tokens: int, name: str = "repo", tenant: str = "t") -> Request
 
 
 def test_a_request_naming_a_chunk_goes_to_a_holder_of_its_prefix_else_where_its_name_went() -> None:
-    routing = HeldRouting(holders_table("e0", "e1"), mode="route", profile=None, fabric="shm")
+    routing = HeldRouting(table(holds=("e0", "e1")), mode="route", profile=None, fabric="shm")
     p = pinned(64 * 4 + 10)
     assert routing.avoid({"held:e1": 4}, p) == {"e0"}  # e1 holds its whole prefix
     assert routing.avoid({"held:e1": 3}, p) == set()  # a part only: any holder
@@ -163,7 +146,7 @@ def test_a_request_naming_a_chunk_goes_to_a_holder_of_its_prefix_else_where_its_
 
 
 def test_a_request_naming_a_chunk_avoids_engines_that_cannot_hold_and_fails_without_any() -> None:
-    routing = HeldRouting(holders_table("e1"), mode="auto", profile=None, fabric="shm")
+    routing = HeldRouting(table(holds=("e1",)), mode="auto", profile=None, fabric="shm")
     assert routing.avoid({}, pinned(200)) == {"e0"}
     with pytest.raises(NoEngineAvailableError, match="kv_chunk"):
-        HeldRouting(holders_table(), mode="auto", profile=None, fabric="shm").avoid({}, pinned(200))
+        HeldRouting(table(), mode="auto", profile=None, fabric="shm").avoid({}, pinned(200))
