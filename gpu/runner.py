@@ -86,7 +86,17 @@ class DecodeSeq:
 class LayerHook:
     """Per-layer seam of layerwise prefill. Both methods are awaited on the event loop, once per layer and
     prefill call, in layer order; they must not run model compute, and may read/write only the KV of the
-    blocks of `seqs` (via runner.kv) for layer `layer`."""
+    blocks of `seqs` (via runner.kv) for layer `layer`.
+
+    A hook that is not layerwise (`is_layerwise` False: it supplies every layer at once and does nothing
+    after a layer, e.g. a load on the CPU, where no copy overlaps compute) gets one `before_forward` call in
+    the runner's worker thread instead, and the forward runs in one thread hop, as without a hook."""
+
+    is_layerwise = True
+
+    def before_forward(self, seqs: Sequence[PrefillSeq]) -> None:
+        """Hooks that are not layerwise: right before the forward, in the worker thread (no awaiting, no
+        event-loop state): supply every layer's cached KV of the blocks of `seqs`."""
 
     async def before_layer(self, layer: int, seqs: Sequence[PrefillSeq]) -> None:
         """Right before layer `layer` computes: supply that layer's cached KV (kv.import_layer)."""
@@ -209,8 +219,8 @@ class ModelRunner:
         if any(s.prefix is not None for s in seqs):
             routed = [(s.block_ids, s.num_cached_tokens, len(s.token_ids), s.prefix) for s in seqs]
             build = functools.partial(self._routed, build, routed)
-        if hook is None:  # one thread hop for the whole forward
-            return await self._call(lambda: finish(self.model.forward(build(), self.kv.tensor)))
+        if hook is None or not hook.is_layerwise:  # one thread hop for the whole forward
+            return await self._call(self._forward, build, hook, seqs, finish)
         batch: ForwardBatch = await self._call(build)
         hidden = await self._call(self.model.embed, batch)
         for layer in range(self.arch.num_layers):
@@ -218,6 +228,17 @@ class ModelRunner:
             hidden = await self._call(self._layer_synced, layer, hidden, batch)
             await hook.after_layer(layer, seqs)
         return await self._call(lambda: finish(self.model.logits(hidden, batch)))
+
+    def _forward(
+        self,
+        build: Callable[[], ForwardBatch],
+        hook: LayerHook | None,
+        seqs: Sequence[PrefillSeq],
+        finish: Callable[[torch.Tensor], T],
+    ) -> T:
+        if hook is not None:
+            hook.before_forward(seqs)
+        return finish(self.model.forward(build(), self.kv.tensor))
 
     def _layer_synced(self, layer: int, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model.layer(layer, hidden, batch, self.kv.tensor)

@@ -74,17 +74,26 @@ class _Record:
 class LoadHook(LayerHook):
     """Copies the loaded prefix (upper-tier part, then storage part) into the cache: on a GPU layer l right
     before layer l computes (the copies overlap the compute of the layers before); on the CPU, where
-    nothing overlaps, every layer before layer 0, in one copy per run of whole blocks instead of one per
-    run per layer. The time spent copying is the request's `import_s`."""
+    nothing overlaps, every layer before the forward, in the model's worker thread (one thread hop for the
+    whole prefill, and the event loop stays free), one copy per run of whole blocks instead of one per run
+    per layer. The time spent copying is the request's `import_s`."""
 
     def __init__(self, connector: ColocatedConnector, loads: list[tuple[Sequence, int]]) -> None:
         self.connector = connector
         self.loads = loads  # (sequence, loaded blocks)
-        self.per_layer = connector.kv.device != "cpu"
+        self.is_layerwise = connector.kv.device != "cpu"
 
     async def before_layer(self, layer: int, seqs: Seq[PrefillSeq]) -> None:
-        if layer and not self.per_layer:
-            return
+        if self.is_layerwise:
+            self._import(layer)
+        elif layer == 0:  # composed with layerwise hooks (route.py): everything before layer 0
+            self._import(None)
+
+    def before_forward(self, seqs: Seq[PrefillSeq]) -> None:
+        self._import(None)
+
+    def _import(self, layer: int | None) -> None:
+        """Layer `layer` of every load (None: every layer)."""
         kv, pool = self.connector.kv, self.connector.pool
         for seq, n in self.loads:
             started = time.perf_counter()
@@ -92,16 +101,16 @@ class LoadHook(LayerHook):
             ids = seq.block_ids[:n]
             pooled = 0
             if record.pool_read is not None and pool is not None:
-                if self.per_layer:
-                    pool.import_layer(ids, record.pool_read, layer)
-                else:
+                if layer is None:
                     pool.import_blocks(ids, record.pool_read)
+                else:
+                    pool.import_layer(ids, record.pool_read, layer)
                 pooled = record.pool_read.num_blocks
             if record.lease is not None:
-                if self.per_layer:
-                    kv.import_layer(ids[pooled:], layer, record.lease.layer(layer))
-                else:
+                if layer is None:
                     kv.import_blocks(ids[pooled:], record.lease.views)
+                else:
+                    kv.import_layer(ids[pooled:], layer, record.lease.layer(layer))
             seq.timings["import_s"] = seq.timings.get("import_s", 0.0) + time.perf_counter() - started
 
 

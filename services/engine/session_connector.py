@@ -58,24 +58,32 @@ class SessionRecord:
 
 
 class StoredPrefixHook(LayerHook):
-    """Copies a local turn's stored prefix into the cache: every layer before layer 0 on the CPU (nothing to
-    overlap with), layer l before layer l on a GPU."""
+    """Copies a local turn's stored prefix into the cache: every layer before the forward on the CPU, in the
+    model's worker thread (nothing to overlap with), layer l before layer l on a GPU."""
 
     def __init__(self, kv: Any, loads: list[tuple[Sequence, int]]) -> None:
         self.kv = kv
         self.loads = loads
-        self.per_layer = kv.device != "cpu"
+        self.is_layerwise = kv.device != "cpu"
 
     async def before_layer(self, layer: int, seqs: Seq[PrefillSeq]) -> None:
-        if layer and not self.per_layer:
-            return
+        if self.is_layerwise:
+            self._import(layer)
+        elif layer == 0:
+            self._import(None)
+
+    def before_forward(self, seqs: Seq[PrefillSeq]) -> None:
+        self._import(None)
+
+    def _import(self, layer: int | None) -> None:
+        """Layer `layer` of every load (None: every layer)."""
         for seq, n in self.loads:
             started = time.perf_counter()
             lease = seq.kv_state.lease
-            if self.per_layer:
-                self.kv.import_layer(seq.block_ids[:n], layer, lease.layer(layer))
-            else:
+            if layer is None:
                 self.kv.import_blocks(seq.block_ids[:n], lease.views[:n])
+            else:
+                self.kv.import_layer(seq.block_ids[:n], layer, lease.layer(layer))
             seq.timings["import_s"] = seq.timings.get("import_s", 0.0) + time.perf_counter() - started
 
 

@@ -87,6 +87,44 @@ async def test_layerwise_prefill_with_supplied_kv_matches_full_recompute(runner:
     runner.kv.free(reference_blocks + blocks)
 
 
+class SupplyBeforeForward(LayerHook):
+    """Not layerwise: supplies every layer of the cached blocks at once, before the forward."""
+
+    is_layerwise = False
+
+    def __init__(self, runner: ModelRunner, block_ids: list[int], staged: np.ndarray) -> None:
+        self.runner, self.block_ids, self.staged = runner, block_ids, staged
+        self.calls: list[str] = []
+
+    async def before_layer(self, layer: int, seqs: Sequence[PrefillSeq]) -> None:
+        self.calls.append("before_layer")
+
+    async def after_layer(self, layer: int, seqs: Sequence[PrefillSeq]) -> None:
+        self.calls.append("after_layer")
+
+    def before_forward(self, seqs: Sequence[PrefillSeq]) -> None:
+        self.calls.append(threading.current_thread().name)
+        self.runner.kv.import_blocks(self.block_ids, self.staged)
+
+
+async def test_prefill_with_a_hook_that_is_not_layerwise_runs_it_once_in_the_worker_thread(
+    runner: ModelRunner,
+) -> None:
+    tokens = prompt(100)
+    bs = runner.block_size
+    reference_blocks = blocks_for(runner, len(tokens))
+    reference = await runner.prefill_logits([PrefillSeq("ref", reference_blocks, 0, tokens)], all_tokens=True)
+    staged = full_blocks(runner, reference_blocks[:1])
+    blocks = blocks_for(runner, len(tokens))
+    runner.kv.import_blocks(blocks, np.zeros_like(full_blocks(runner, blocks)))
+    hook = SupplyBeforeForward(runner, blocks[:1], staged)
+    logits = await runner.prefill_logits([PrefillSeq("hit", blocks, bs, tokens[bs:])], hook, all_tokens=True)
+
+    assert (logits - reference[bs:]).abs().max().item() < CLOSE
+    assert len(hook.calls) == 1 and hook.calls[0].startswith("kvpath-model"), hook.calls
+    runner.kv.free(reference_blocks + blocks)
+
+
 async def test_prefill_compute_runs_in_the_worker_thread(tiny_runner: ModelRunner) -> None:
     seen: list[str] = []
     layer_fn = tiny_runner.model.layer
