@@ -15,7 +15,7 @@
                                                                                    beluga_serve.py)
   movequery  route vs fetch vs local for a held chunk, measured vs the cost model   movequery.py
   ampd       AMPD vs always-remote vs colocated: SLO attainment per trace           ampd.py
-  auto       one cost model over every KV path vs the fixed policies (issue 13)     auto.py (auto_live.py)
+  auto       one cost model over every KV path vs the fixed policies (issue 13)     auto.py (auto_live*.py)
   agent      issue 12's done-when: tools, json_schema, logprobs (openai client)     agent.py
 
 `register` is the `bench` entry of the `kvpath.commands` entry-point group (pyproject.toml). It imports the

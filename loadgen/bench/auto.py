@@ -5,13 +5,17 @@ policies, on the five workloads of issue 13, in one run.
               (`loadgen/sim/auto`: 2 nodes x (1 prefill + 1 decode engine), or the same 4 GPUs colocated for
               the colocated policies; H100-class profile), and with `--paper-scale` on 8 nodes with 4x the
               sessions. Scores are lower-is-better: mean session JCT in seconds, 1 - SLO attainment for ampd.
-  live        (`--live`) real `kvpath up` clusters of colocated engines: `beluga` vs `auto` on the pool tier,
-              `cache-aware` vs `auto` on the remote-store tier, on the same shared-document + multi-turn
-              workload (`auto_live.py`): mean latency, and auto's predicted vs measured TTFT from the
-              router's own log of each decision.
+  live        (`--live`) real `kvpath up` clusters, one per policy and run, per configuration
+              (`auto_live.py`): colocated engines on the pool tier (`beluga` vs `auto`) and on the
+              remote-store tier (`cache-aware` vs `auto`) under shared documents + short sessions (mean
+              latency); prefill/decode nodes under multi-turn agents (`dualpath`, `ampd`, `auto`: mean
+              session JCT); a move-the-query fan-in on colocated engines (`--move-query route`, `fetch`,
+              and `--policy auto --move-query auto`: mean latency); auto's predicted vs measured TTFT
+              from the router's own log of each decision.
 
 `--json FILE` writes `results` {workload: {policy: score}}, `ttft_mdape` (the live one with `--live`, else the
-simulator's), `sim_ttft_mdape`, the plans each policy chose, and the live and paper-scale sections.
+simulator's), `sim_ttft_mdape`, the plans each policy chose, and the live and paper-scale sections (`live`:
+`results` {config: {policy: score}}, `rows` {config: {policy: row}}, `ttft_mdape`; also `live_ttft_mdape`).
 `--explain N` prints N of auto's decisions on the mixed workload: plan, predicted TTFT and harm, runner-up,
 simulated TTFT.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -30,6 +34,19 @@ from loadgen.sim.auto.run import compare, gpu_profiles, simulate
 from loadgen.sim.auto.workloads import Scale, build
 from services.policy.auto import Decision
 
+if TYPE_CHECKING:
+    from loadgen.bench.auto_live import LiveOptions
+
+LIVE_CONFIGS = "pool,remote,pd,fanin"  # auto_live.CONFIGS (not imported here: it would slow `kvpath --help`)
+LIVE_SIZES = (  # flag, default, help: the sizes of the live runs (tests pass tiny ones)
+    ("--live-repeats", 2, "runs per policy and configuration (ABBA)"),
+    ("--pd-sessions", 6, "pd: agent sessions (4-6 turns each)"),
+    ("--pd-clients", 3, "pd: closed-loop clients, each runs whole sessions"),
+    ("--pd-first-tokens", 1500, "pd: tokens of a session's first context"),
+    ("--fanin-agents", 12, "fanin: sub-agents on the pinned document"),
+    ("--fanin-clients", 0, "fanin: sub-agents in flight (0: all at once)"),
+    ("--fanin-doc-tokens", 1500, "fanin: tokens of the pinned document"),
+)
 PAPER_SCALE = Scale(
     agents=96,
     ampd_sessions=192,
@@ -55,9 +72,16 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--paper-scale", action="store_true", help="also simulate 8 nodes and 4x the sessions")
-    p.add_argument("--live", action="store_true", help="also run real clusters (pool and remote tiers)")
-    p.add_argument("--live-requests", type=int, default=48, help="questions of the live run")
-    p.add_argument("--live-tiers", default="pool,remote", help="KV tiers of the live runs (pool, remote)")
+    p.add_argument("--live", action="store_true", help="also run real clusters (the configs below)")
+    p.add_argument("--live-requests", type=int, default=48, help="questions of the live pool/remote runs")
+    p.add_argument(
+        "--live-configs",
+        "--live-tiers",
+        default=LIVE_CONFIGS,
+        help="live configurations: pool, remote (KV tiers), pd (agents on P/D nodes), fanin (move the query)",
+    )
+    for flag, default, text in LIVE_SIZES:
+        p.add_argument(flag, type=int, default=default, help=text)
     p.set_defaults(func=_run)
 
 
@@ -84,12 +108,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.explain:
         print(_explain(args.explain, args.seed))
     if args.live:
-        from loadgen.bench.auto_live import LiveOptions, format_live, run_live
+        from loadgen.bench.auto_live import format_live, run_live
 
-        tiers = tuple(t for t in args.live_tiers.split(",") if t)
-        options = LiveOptions(questions=args.live_requests, seed=args.seed, tiers=tiers)
-        live = run_live(options, progress=_progress)
-        out["live"] = live
+        live = run_live(_live_options(args), progress=_progress)
+        out["live"], out["live_ttft_mdape"] = live, live["ttft_mdape"]
         if live.get("ttft_mdape") is not None:
             out["ttft_mdape"], out["ttft_mdape_source"] = live["ttft_mdape"], "live"
         print(format_live(live))
@@ -97,6 +119,27 @@ def _run(args: argparse.Namespace) -> int:
         with open(args.json, "wb") as f:
             f.write(orjson.dumps(out, option=orjson.OPT_INDENT_2))
     return 0
+
+
+def _live_options(args: argparse.Namespace) -> LiveOptions:
+    from loadgen.bench.auto_live import CONFIGS, LiveOptions
+
+    configs = tuple(c for c in args.live_configs.split(",") if c)
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"kvpath bench auto: unknown live configs {unknown} (of {', '.join(CONFIGS)})")
+    return LiveOptions(
+        questions=args.live_requests,
+        seed=args.seed,
+        configs=configs,
+        repeats=args.live_repeats,
+        pd_sessions=args.pd_sessions,
+        pd_clients=args.pd_clients,
+        pd_first_tokens=args.pd_first_tokens,
+        fanin_agents=args.fanin_agents,
+        fanin_clients=args.fanin_clients,
+        fanin_doc_tokens=args.fanin_doc_tokens,
+    )
 
 
 def _explain(n: int, seed: int) -> str:

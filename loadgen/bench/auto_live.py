@@ -1,12 +1,17 @@
-"""The live part of `kvpath bench auto`: real `kvpath up` clusters of colocated engines, per KV tier the fixed
-policy `kvpath up` uses there (`beluga` on the pool tier, `cache-aware` on the remote-store tier, whose
-engines keep a local DRAM cache announced as `dram:<engine>`) and `auto`, on the same workload; auto's
-predicted vs measured TTFT.
+"""The live part of `kvpath bench auto`: per configuration a real `kvpath up` cluster per policy, every policy
+on the same workload, each `repeats` times in ABBA order; auto's predicted vs measured TTFT.
 
-Workload (`tiny`): `docs` shared documents, each populated once, then `questions` questions drawn with Zipf
-popularity (document + its own question tokens, short answers) sent by `clients` closed-loop clients; and
-`sessions` three-turn sessions whose later turns extend the earlier ones. What a colocated topology offers is
-all auto chooses among live: the engine-resident prefix, the pool, storage on the engine's node, recompute
+  pool, remote   colocated engines on a KV tier above storage: the fixed policy `kvpath up` uses there
+                 (`beluga` on the pool tier, `cache-aware` on the remote-store tier, whose engines keep a
+                 local DRAM cache announced as `dram:<engine>`) and `auto`. Score: mean request latency.
+  pd, fanin      prefill/decode nodes with multi-turn agents (`dualpath`, `ampd`, `auto`; score: mean session
+                 JCT), and a move-the-query fan-in (`route`, `fetch`, `auto`; score: mean latency):
+                 `auto_live_agents.py`.
+
+Tier workload (`tiny`): `docs` shared documents, each populated once, then `questions` questions drawn with
+Zipf popularity (document + its own question tokens, short answers) sent by `clients` closed-loop clients; and
+`sessions` three-turn sessions whose later turns extend the earlier ones. On colocated engines auto chooses
+among the engine-resident prefix, the pool, storage on the engine's node and recomputing
 (`services/router/auto_dispatch.py`). The router logs each decision at debug level with its predicted and
 measured TTFT (both from dispatch); the median absolute percentage error is computed from those lines.
 """
@@ -29,12 +34,26 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from loadgen.bench import auto_live_agents as agents
 from services.up.process import UpProcess
 
-# per KV tier above storage: the fixed policy `kvpath up` defaults to there, and auto
-TIERS = {"pool": ("beluga", "auto"), "remote": ("cache-aware", "auto")}
+# per configuration its policies (the fixed ones first, auto last) and the score `results` keeps
+CONFIGS = {
+    "pool": ("beluga", "auto"),  # the fixed policy `kvpath up` defaults to on this tier, and auto
+    "remote": ("cache-aware", "auto"),
+    "pd": ("dualpath", "ampd", "auto"),
+    "fanin": tuple(agents.FANIN_POLICIES),
+}
+SCORES = {
+    "pool": "mean_latency_s",
+    "remote": "mean_latency_s",
+    "pd": "mean_session_jct_s",
+    "fanin": "mean_latency_s",
+}
 WARMUP = 24  # measured decisions before the router's TTFT calibration counts as settled
-_DECISION = re.compile(r"auto plan .*plan=(\S+) .*predicted_ttft_s=([0-9.e+-]+) measured_ttft_s=([0-9.e+-]+)")
+_DECISION = re.compile(
+    r"auto plan .*plan=(\S+) engine=(\S+) .*predicted_ttft_s=([0-9.e+-]+) measured_ttft_s=([0-9.e+-]+)"
+)
 _MIN_TOKEN, _MAX_TOKEN = 3, 250  # the tiny model's byte vocabulary
 
 
@@ -48,8 +67,23 @@ class LiveOptions:
     clients: int = 4
     max_tokens: int = 8
     repeats: int = 2  # runs per policy
-    tiers: tuple[str, ...] = ("pool", "remote")
+    configs: tuple[str, ...] = tuple(CONFIGS)
     seed: int = 0
+    # pd: multi-turn agents on 1 prefill + 1 decode node
+    pd_sessions: int = 6
+    pd_clients: int = 3
+    pd_turns: tuple[int, int] = (4, 6)  # turns per session, drawn uniformly
+    pd_first_tokens: int = 1500
+    pd_tool_tokens: tuple[int, int] = (100, 300)  # a tool result per later turn
+    pd_output_tokens: int = 16
+    pd_tool_latency_s: float = 0.1
+    # fanin: one pinned document, sub-agents on colocated engines that move the query
+    fanin_engines: int = 3
+    fanin_agents: int = 12
+    fanin_clients: int = 0  # 0: every sub-agent at once
+    fanin_doc_tokens: int = 1500
+    fanin_suffix_tokens: tuple[int, int] = (64, 256)
+    fanin_answer_tokens: int = 16
 
 
 def _prompts(o: LiveOptions) -> tuple[list[list[int]], list[list[int]]]:
@@ -101,102 +135,153 @@ def calibrate(out: Path) -> Path:
     return out
 
 
-def _one_policy(o: LiveOptions, tier: str, policy: str, tmp: Path, profile: Path) -> dict[str, Any]:
+def _up_args(o: LiveOptions, config: str, policy: str) -> list[str]:
+    if config == "pd":
+        return agents.pd_args(policy)
+    if config == "fanin":
+        return agents.fanin_args(o, policy)
+    return ["--engines", str(o.engines), "--kv-tier", config, "--policy", policy]
+
+
+def _run_tier(o: LiveOptions, up: UpProcess) -> tuple[dict[str, Any], int]:
+    """The documents populated once (unmeasured), then the questions and session turns."""
     docs, measured = _prompts(o)
-    args = ["--engines", str(o.engines), "--kv-tier", tier, "--policy", policy]
-    # both routers log at debug level (auto's decisions are read from its log), so both pay the same for it
+    asyncio.run(_drive(up.url, docs, o.clients, o.max_tokens))
+    started = time.monotonic()
+    latencies = asyncio.run(_drive(up.url, measured, o.clients, o.max_tokens))
+    row = {
+        "mean_latency_s": statistics.fmean(latencies),
+        "p90_latency_s": float(np.percentile(latencies, 90)),
+        "wall_s": time.monotonic() - started,
+        "requests": len(latencies),
+        "failed": 0,  # a failed request ends the run
+    }
+    return row, len(docs)
+
+
+def _one_policy(o: LiveOptions, config: str, policy: str, tmp: Path, profile: Path) -> dict[str, Any]:
+    args = _up_args(o, config, policy)
+    # every router logs at debug level (auto's decisions are read from its log), so all pay the same for it
     args += ["--router-arg=--log-level=DEBUG", f"--router-arg=--cost-profile={profile}"]
     up = UpProcess(tmp, *args)
     try:
-        asyncio.run(_drive(up.url, docs, o.clients, o.max_tokens))
-        started = time.monotonic()
-        latencies = asyncio.run(_drive(up.url, measured, o.clients, o.max_tokens))
-        wall_s = time.monotonic() - started
+        run = {"pd": agents.run_pd, "fanin": agents.run_fanin}.get(config, _run_tier)
+        row, skip = run(o, up)
     finally:
         up.stop()
-    row: dict[str, Any] = {
-        "mean_latency_s": statistics.fmean(latencies),
-        "p90_latency_s": float(np.percentile(latencies, 90)),
-        "wall_s": wall_s,
-        "requests": len(latencies),
-    }
     if policy == "auto":
-        row |= _decisions((tmp / "logs" / "router-0.log").read_text(errors="replace"), skip=len(docs))
+        row |= _decisions((tmp / "logs" / "router-0.log").read_text(errors="replace"), skip=skip)
+        if "holder" in row:  # fan-in: sub-agents auto served on the holder itself (no move-query choice)
+            row["on_holder"] = row["engines"].get(row["holder"], 0)
     return row
 
 
 def _decisions(log_text: str, skip: int) -> dict[str, Any]:
-    """Auto's plans and TTFT error of the measured run (the populate run's `skip` decisions left out)."""
-    found = [(m.group(1), float(m.group(2)), float(m.group(3))) for m in _DECISION.finditer(log_text)][skip:]
+    """Auto's plans, engines (decoding) and TTFT error of the measured run (the populate run's `skip`
+    decisions left out)."""
+    matches = list(_DECISION.finditer(log_text))[skip:]
+    found = [(m.group(1), float(m.group(3)), float(m.group(4))) for m in matches]
     errors = [abs(p - m) / m for _, p, m in found if m > 0]
     plans: dict[str, int] = {}
     for label, _, _ in found:
         plans[label] = plans.get(label, 0) + 1
+    engines: dict[str, int] = {}
+    for m in matches:
+        engines[m.group(2)] = engines.get(m.group(2), 0) + 1
     samples = [
         {"plan": label, "predicted_ttft_s": p, "measured_ttft_s": m}
         for label, p, m in found[:: max(1, len(found) // 8)]
     ]
-    return {"plans": plans, "errors": errors, "decisions": len(found), "samples": samples[:8]}
+    return {
+        "plans": plans,
+        "engines": engines,
+        "errors": errors,
+        "decisions": len(found),
+        "samples": samples[:8],
+    }
 
 
 def run_live(o: LiveOptions, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Per tier, each policy `o.repeats` times in ABBA order (the machine's drift falls on both alike)."""
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {t: {p: [] for p in TIERS[t]} for t in o.tiers}
+    """Per configuration, each policy `o.repeats` times in ABBA order (the machine's drift falls on all
+    alike): `results` {config: {policy: score}}, `rows` {config: {policy: row}}, `ttft_mdape` over every
+    measured decision of auto."""
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {p: [] for p in CONFIGS[c]} for c in o.configs}
     with tempfile.TemporaryDirectory(prefix="kvpath-auto-") as work:
         profile = calibrate(Path(work) / "profile.json")
-        for tier in o.tiers:
-            pair = TIERS[tier]
-            for i, policy in enumerate(
-                p for r in range(o.repeats) for p in (pair if r % 2 == 0 else pair[::-1])
-            ):
-                tmp = Path(work) / f"{tier}-{i}-{policy}"
+        for config in o.configs:
+            policies = CONFIGS[config]
+            order = [p for r in range(o.repeats) for p in (policies if r % 2 == 0 else policies[::-1])]
+            for i, policy in enumerate(order):
+                tmp = Path(work) / f"{config}-{i}-{policy}"
                 tmp.mkdir()
-                runs[tier][policy].append(_one_policy(o, tier, policy, tmp, profile))
+                row = _one_policy(o, config, policy, tmp, profile)
+                runs[config][policy].append(row)
                 if progress:
-                    progress(
-                        f"live {tier} {policy}: mean latency {runs[tier][policy][-1]['mean_latency_s']:.3f} s"
-                    )
-    rows = {t: {p: _merge(r) for p, r in by.items()} for t, by in runs.items()}
+                    progress(f"live {config} {policy}: {SCORES[config]} {row[SCORES[config]]:.3f} s")
+    rows = {c: {p: _merge(r) for p, r in by.items()} for c, by in runs.items()}
     errors = [e for by in runs.values() for r in by["auto"] for e in r.get("errors", [])]
     return {
         "options": {k: getattr(o, k) for k in o.__dataclass_fields__},
-        "results": {t: {p: r["mean_latency_s"] for p, r in by.items()} for t, by in rows.items()},
+        "scores": {c: SCORES[c] for c in o.configs},
+        "results": {c: {p: r[SCORES[c]] for p, r in by.items()} for c, by in rows.items()},
         "rows": rows,
         "ttft_mdape": float(np.median(errors)) if errors else None,
     }
 
 
+_AVERAGED = ("mean_latency_s", "p90_latency_s", "wall_s", "mean_session_jct_s", "makespan_s")
+_SUMMED = ("requests", "failed", "sessions", "on_holder")
+
+
 def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Means of the repeats; auto's decisions pooled (MdAPE over every measured decision)."""
-    keys = ("mean_latency_s", "p90_latency_s", "wall_s")
-    row: dict[str, Any] = {k: statistics.fmean(r[k] for r in runs) for k in keys}
-    row["requests"] = sum(r["requests"] for r in runs)
+    """Means of the repeats; counts summed; auto's decisions pooled (MdAPE over every measured decision)."""
+    row: dict[str, Any] = {k: statistics.fmean(r[k] for r in runs) for k in _AVERAGED if k in runs[0]}
+    row |= {k: sum(r[k] for r in runs) for k in _SUMMED if k in runs[0]}
     row["per_run_mean_latency_s"] = [r["mean_latency_s"] for r in runs]
+    failures = [f for r in runs for f in r.get("failures", [])]
+    if failures:
+        row["failures"] = failures[:4]
+    if "movequery_choices" in runs[0]:
+        row["movequery_choices"] = _summed([r["movequery_choices"] for r in runs])
+        row["holders"] = [r["holder"] for r in runs]
     errors = [e for r in runs for e in r.get("errors", [])]
     if errors:
         row["ttft_mdape"] = float(np.median(errors))
         # the same after each router's first WARMUP measured decisions (its calibration still settling)
         settled = [e for r in runs for e in r.get("errors", [])[WARMUP:]]
         row["ttft_mdape_settled"] = float(np.median(settled)) if settled else None
-        row["plans"] = {
-            k: sum(r["plans"].get(k, 0) for r in runs) for k in {k for r in runs for k in r["plans"]}
-        }
-        row["samples"] = runs[-1]["samples"]
+    if any("plans" in r for r in runs):
+        row["plans"] = _summed([r.get("plans", {}) for r in runs])
+        row["engines"] = _summed([r.get("engines", {}) for r in runs])
+        row["decisions"] = sum(r.get("decisions", 0) for r in runs)
+        row["samples"] = runs[-1].get("samples", [])
     return row
 
 
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    return {k: sum(c.get(k, 0) for c in counts) for k in sorted({k for c in counts for k in c})}
+
+
 def format_live(live: dict[str, Any]) -> str:
-    lines = ["live, 2 colocated engines (tiny model, this machine): request latency per KV tier"]
-    for tier, rows in live["rows"].items():
+    lines = ["live (tiny model, this machine): per configuration, each policy on the same workload"]
+    for config, rows in live["rows"].items():
         for policy, row in rows.items():
+            extra = f"  session JCT {row['mean_session_jct_s']:6.2f} s" if "mean_session_jct_s" in row else ""
+            if "makespan_s" in row:
+                extra = f"  last done {row['makespan_s']:5.2f} s  move-query {row['movequery_choices']}"
+                extra += f", on the holder {row['on_holder']}" if "on_holder" in row else ""
             lines.append(
-                f"  {tier:6s} {policy:11s} mean {row['mean_latency_s'] * 1e3:7.1f} ms  "
-                f"p90 {row['p90_latency_s'] * 1e3:7.1f} ms  wall {row['wall_s']:5.1f} s  ({row['requests']})"
+                f"  {config:6s} {policy:11s} mean {row['mean_latency_s'] * 1e3:7.1f} ms  "
+                f"p90 {row['p90_latency_s'] * 1e3:7.1f} ms  ({row['requests']}, {row['failed']} failed)"
+                + extra
             )
+        results = live["results"][config]
+        best = min(v for p, v in results.items() if p != "auto")
         auto = rows["auto"]
         mdape, settled = auto.get("ttft_mdape"), auto.get("ttft_mdape_settled")
         lines.append(
-            f"  {tier:6s} auto's plans {auto.get('plans')}; TTFT MdAPE "
+            f"  {config:6s} auto / best fixed {results['auto'] / best:.3f}; "
+            f"auto's plans {auto.get('plans')}; TTFT MdAPE "
             + (f"{mdape:.1%}" if mdape is not None else "n/a")
             + (f" ({settled:.1%} after each router's first {WARMUP})" if settled is not None else "")
         )
@@ -206,5 +291,7 @@ def format_live(live: dict[str, Any]) -> str:
                 f"measured {s['measured_ttft_s'] * 1e3:7.1f} ms"
             )
     mdape = live.get("ttft_mdape")
-    lines.append("  auto, every tier: TTFT MdAPE " + (f"{mdape:.1%}" if mdape is not None else "n/a"))
+    lines.append(
+        "  auto, every configuration: TTFT MdAPE " + (f"{mdape:.1%}" if mdape is not None else "n/a")
+    )
     return "\n".join(lines)
