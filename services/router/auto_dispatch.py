@@ -6,7 +6,11 @@ own cache (`hbm:` / `dram:<engine>` in the index's answer; both count as the `hb
 free to reach, though a local DRAM cache is a memory copy away), the shared pool (`cxl:<pool>`, `--kv-tier
 pool`), storage read on the engine's node, or recomputing it. The engine, not the router, loads from the best
 tier it has, so the plan's source is auto's prediction of what the chosen engine will do (the cheaper source
-on an engine is always the one it takes). Routing to a holder stays with `--move-query` (`route_choice.py`).
+on an engine is always the one it takes). With `--move-query auto` a chunk held by an engine (`held:<engine>`)
+is two more sources: resident on its holder (the holder copies it into the request), and `route` (the query
+rows go to the holder) on every other engine, priced with the move-the-query profile; auto's plan then sets
+the primitive `route_choice.py` writes into the request (route, fetch for a hit read from a tier, local for
+recompute). A forced `--move-query route|fetch|local` still decides after auto picked the engine.
 While prefill/decode engines serve instead, the plans are theirs (remote prefill on a PE with the history
 from storage on either node or from the decode engine's cache, local prefill on a session decode engine,
 recompute: `--auto-decode-engines` says which) and `auto_pd.py` executes the chosen one.
@@ -145,6 +149,9 @@ class AutoDispatch(ColocatedDispatch):
         stored = bs * min(p.kv.num_hit_blocks, locality.get("store", p.kv.num_hit_blocks))
         pooled = bs * max((n for loc, n in locality.items() if loc.startswith("cxl:")), default=0)
         resident = {e.engine_id: bs * local_blocks(locality, e.engine_id) for e in engines}
+        held = {h: bs * n for h, n in self._held_blocks(p, locality).items()}
+        for holder, tokens in held.items():  # a holder copies its chunk into the request: resident there
+            resident[holder] = max(resident.get(holder, 0), tokens)
         return AutoRequest(
             p.request_id,
             p.num_prompt_tokens,
@@ -152,9 +159,25 @@ class AutoDispatch(ColocatedDispatch):
             min(stored, p.num_prompt_tokens),
             min(pooled, p.num_prompt_tokens),
             {k: min(v, p.num_prompt_tokens) for k, v in resident.items() if v},
-            {},
+            {k: min(v, p.num_prompt_tokens) for k, v in held.items()},
             p.ttft_slo_s or None,
         )
+
+    def _held_blocks(self, p: RequestPlan, locality: Mapping[str, int]) -> dict[str, int]:
+        """Live holders of a leading chunk of the prompt -> its blocks, when auto prices move the query (its
+        `--move-query auto`; a forced mode stays with `HeldRouting`); none for a request naming a chunk."""
+        if self.held_routing is None or self.held_routing.mode != AUTO or p.pin is not None:
+            return {}
+        return dict(self.held_routing.holders(locality))
+
+    def held_primitive(self, plan_: RequestPlan) -> str | None:
+        """The move-the-query primitive of auto's plan for the engine it picked: `route` when it routes the
+        query, `local` when it recomputes, else `fetch` (the hit comes from a tier, not the holder)."""
+        decision = self._picked.get(plan_.request_id)
+        if decision is None or self.held_routing is None or self.held_routing.mode != AUTO:
+            return None
+        source = decision.chosen.source
+        return "route" if source is Source.ROUTE else "local" if source is Source.RECOMPUTE else "fetch"
 
     def _snapshot(self, engines: list[EngineSnapshot], locality: Mapping[str, int]) -> AutoSnapshot:
         now = time.monotonic()
@@ -181,16 +204,21 @@ class AutoDispatch(ColocatedDispatch):
         if any(e.role != ROLE_COLOCATED for e in engines):  # the paths of the P/D engines
             return AutoSnapshot(tuple(loads), reads, None, self.pd_sources, self.local_on_decode)
         has_pool = any(loc.startswith("cxl:") for loc in locality)
-        return AutoSnapshot(tuple(loads), reads, 0 if has_pool else None, LIVE_SOURCES)
+        routes = self.held_routing is not None and self.held_routing.mode == AUTO
+        sources = LIVE_SOURCES | {Source.ROUTE} if routes else LIVE_SOURCES
+        return AutoSnapshot(tuple(loads), reads, 0 if has_pool else None, sources)
 
     def profiles(self) -> AutoProfiles:
         costs = self.profiled or self._measured_costs()
         pool_link = POOL if POOL in costs.links else self.kv_link  # the pool is read like host memory
         cal = self.calibration
+        routing = self.held_routing
         return AutoProfiles(
             costs,
             data_link=self.kv_link,
             pool_link=pool_link,
+            route=routing.route_profile() if routing is not None and routing.mode == AUTO else None,
+            route_fabric=routing.fabric if routing is not None else self.kv_link,
             overhead_s=cal.overhead_s,
             time_scale=cal.scale,
         )
@@ -303,8 +331,9 @@ class AutoDispatch(ColocatedDispatch):
 
 
 def build_auto_dispatch(config: RouterConfig, engines: EngineTable, bus: Bus, router_id: str) -> AutoDispatch:
-    """The dispatch of `--policy auto` (`services/router/core.build_dispatch`); with `--move-query`, held
-    prefixes are routed, fetched or recomputed after auto picked the engine, as for the colocated policies."""
+    """The dispatch of `--policy auto` (`services/router/core.build_dispatch`); with `--move-query auto` held
+    prefixes are among auto's plans, with a forced mode they are routed, fetched or recomputed after auto
+    picked the engine, as for the colocated policies."""
     timeout_s = config.task_ack_timeout_s
     dispatch = AutoDispatch(
         engines,

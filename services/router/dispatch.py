@@ -120,6 +120,10 @@ class ColocatedDispatch(Dispatch):
         streams.assign(plan.request_id, engine_id)
         return {}
 
+    def held_primitive(self, plan: RequestPlan) -> str | None:
+        """The move-the-query primitive this policy chose with the engine (None: `held_routing` decides)."""
+        return None
+
     def _pick(
         self, engines: list[EngineSnapshot], plan: RequestPlan, locality: Mapping[str, int]
     ) -> str | None:
@@ -144,7 +148,7 @@ class ColocatedDispatch(Dispatch):
                 break
             tried.add(engine_id)
             if self.held_routing is not None:
-                self.held_routing.apply(task.plan, engine_id, locality)
+                self.held_routing.apply(task.plan, engine_id, locality, self.held_primitive(task.plan))
             subject = self.bus.subjects.task(engine_id)
             # counted at once, not at the ack: requests picked meanwhile see this one (else a burst all
             # lands on the engine that sorts first)

@@ -38,6 +38,7 @@ from services.router import metrics
 from services.router.engines import EngineTable
 from shared.blocks import max_hit_blocks
 from shared.errors import ConfigError, NoEngineAvailableError
+from shared.protocol import RouteCapability
 from shared.protocol.movequery import HELD_TIER, HeldPrefix
 from shared.protocol.tasks import RequestPlan
 
@@ -122,9 +123,13 @@ class HeldRouting:
         block_size = self._block_size()
         return state.snapshot(block_size).free_kv_tokens - state.report.waiting_kv_tokens
 
-    def apply(self, plan: RequestPlan, engine_id: str, locality: Mapping[str, int]) -> None:
+    def apply(
+        self, plan: RequestPlan, engine_id: str, locality: Mapping[str, int], chosen: str | None = None
+    ) -> None:
         """Set `plan.kv.held` for the engine the request goes to (cleared when nothing is held elsewhere) and
-        count the KV the choice keeps there, so the requests dispatched before its next report see it."""
+        count the KV the choice keeps there, so the requests dispatched before its next report see it.
+        `chosen`: the primitive the dispatch's policy already chose with the engine (`--policy auto` prices
+        route, fetch and local in its own plans), else this mode's rule decides."""
         plan.kv.held = None
         if plan.pin is not None:  # the chunk's source: computed or loaded here, then kept under the name
             key = (plan.pin.tenant, plan.pin.name)
@@ -143,13 +148,7 @@ class HeldRouting:
         holder = self.engines.get(holder_id)
         assert holder is not None and holder.report.route is not None  # `holders` keeps only such engines
         route = holder.report.route
-        shape = ModelShape(
-            route.num_layers,
-            route.rows_per_token,
-            route.query_bytes_per_row,
-            route.partial_bytes_per_row,
-            route.kv_bytes_per_token_layer,
-        )
+        shape = model_shape(route)
         if n <= 0:
             return
         num_store = min(n, locality.get("store", 0))
@@ -162,14 +161,26 @@ class HeldRouting:
             holder_queue_s=route.holder_queue_s,
             can_fetch=num_store >= n,
         )
-        primitive = self._primitive(self.profile or fallback_profile(shape), request)
+        primitive = self._primitive(self.profile or fallback_profile(shape), request, chosen)
         plan.kv.held = self._held(plan, holder_id, n, num_store, primitive, shape)
         self.engines.note_kv_reserved(engine_id, resident_kv_tokens(primitive, request))
         metrics.MOVEQUERY_CHOICES.labels(str(primitive)).inc()
 
-    def _primitive(self, profile: CostProfile, request: RouteRequest) -> Primitive:
+    def route_profile(self) -> CostProfile | None:
+        """The route constants a cost model prices with: the calibrated profile, else the uncalibrated guess
+        for the served model's shape (None until an engine that speaks the protocol reported)."""
+        if self.profile is not None:
+            return self.profile
+        for state in self.engines.live(time.monotonic()):
+            if state.report.route is not None:
+                return fallback_profile(model_shape(state.report.route))
+        return None
+
+    def _primitive(self, profile: CostProfile, request: RouteRequest, chosen: str | None) -> Primitive:
         if self.mode != "auto":
             primitive = Primitive(self.mode)
+        elif chosen is not None:
+            primitive = Primitive(chosen)
         else:
             primitive = choose(profile, profile.fabric(self.fabric), request).primitive
         return Primitive.LOCAL if primitive is Primitive.FETCH and not request.can_fetch else primitive
@@ -204,3 +215,14 @@ class HeldRouting:
             take_s=take,
             local_step_s=shape.num_layers * local_attention_s(profile, shape.rows_per_token, chunk),
         )
+
+
+def model_shape(route: RouteCapability) -> ModelShape:
+    """The served model's shape as an engine's load report states it."""
+    return ModelShape(
+        route.num_layers,
+        route.rows_per_token,
+        route.query_bytes_per_row,
+        route.partial_bytes_per_row,
+        route.kv_bytes_per_token_layer,
+    )

@@ -14,7 +14,7 @@ from services.router.auto_dispatch import AutoDispatch, build_auto_dispatch
 from services.router.auto_pd import remote_history
 from services.router.config import RouterConfig
 from services.router.engines import EngineTable
-from shared.protocol import KvFormat, LoadReport, TokenBatch
+from shared.protocol import KvFormat, LoadReport, RouteCapability, TokenBatch
 from shared.protocol.messages import SamplingParams, TokenDelta
 from shared.protocol.tasks import KvPlan, RequestPlan
 
@@ -130,3 +130,39 @@ def test_the_history_of_a_remote_plan_is_what_the_decode_engine_kept_or_storage(
     stored = remote_history(hashes, Source.STORAGE, 6, 7, kept_blocks=5)
     assert (stored.num_hit_blocks, stored.read_side) == (6, "pe")
     assert remote_history(hashes, Source.RECOMPUTE, 6, 7, kept_blocks=5).num_hit_blocks == 0
+
+
+def test_with_move_query_auto_a_held_chunk_is_resident_on_its_holder_and_routed_to_elsewhere() -> None:
+    d = build_auto_dispatch(RouterConfig(policy="auto", move_query="auto"), dispatch().engines, None, "x")  # type: ignore[arg-type]
+    shape = RouteCapability(
+        num_layers=4,
+        rows_per_token=8,
+        query_bytes_per_row=128,
+        partial_bytes_per_row=136,
+        kv_bytes_per_token_layer=512,
+    )
+    for engine_id in ("e0", "e1"):
+        state = d.engines.get(engine_id)
+        assert state is not None
+        state.report.route = shape
+    snapshots = list(d.engines.engine_snapshots(64, ("colocated",)))
+    locality = {"store": 32, "held:e1": 32}
+    request = d._request(snapshots, plan("h"), locality)
+    assert request.held_tokens == {"e1": 64 * 32} and request.resident_tokens["e1"] == 64 * 32
+    plans = enumerate_plans(request, d._snapshot(snapshots, locality), d.profiles())
+    assert {(x.label, x.decode_engine) for x in plans} >= {("local/hbm", "e1"), ("local/route", "e0")}
+    assert d._pick(snapshots, plan("h"), locality) == "e1"  # free: its own copy of the chunk is cheapest
+    d.ledger.add("e1", "earlier", time.monotonic() + 30.0)  # the holder is busy for 30 s
+    assert d._pick(snapshots, plan("i"), locality) == "e0"
+    chosen = d._picked["i"].chosen
+    want = {"local/route": "route", "local/recompute": "local"}.get(chosen.label, "fetch")
+    assert d.held_primitive(plan("i")) == want  # what the held prefix's plan will say
+    for primitive in ("route", "fetch", "local"):  # and route_choice writes it, not its own pick
+        p = plan(f"i-{primitive}")
+        d.held_routing.apply(p, "e0", locality, primitive)
+        assert p.kv.held is not None and p.kv.held.primitive == primitive
+    forced = build_auto_dispatch(RouterConfig(policy="auto", move_query="route"), d.engines, None, "x")  # type: ignore[arg-type]
+    assert (
+        forced._request(snapshots, plan("j"), locality).held_tokens == {}
+    )  # a forced mode decides after auto
+    assert Source.ROUTE not in forced._snapshot(snapshots, locality).sources
