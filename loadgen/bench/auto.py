@@ -24,20 +24,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
+from loadgen.bench.auto_live_options import CONFIG_NAMES, LiveOptions
 from loadgen.sim.auto.cluster import ClusterShape
 from loadgen.sim.auto.report import explain, format_comparison
 from loadgen.sim.auto.run import compare, gpu_profiles, simulate
 from loadgen.sim.auto.workloads import Scale, build
 from services.policy.auto import Decision
 
-if TYPE_CHECKING:
-    from loadgen.bench.auto_live import LiveOptions
-
-LIVE_CONFIGS = "pool,remote,pd,fanin"  # auto_live.CONFIGS (not imported here: it would slow `kvpath --help`)
+LIVE_CONFIGS = ",".join(CONFIG_NAMES)
 LIVE_SIZES = (  # flag, default, help: the sizes of the live runs (tests pass tiny ones)
     ("--live-repeats", 2, "runs per policy and configuration (ABBA)"),
     ("--pd-sessions", 6, "pd: agent sessions (4-6 turns each)"),
@@ -122,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _live_options(args: argparse.Namespace) -> LiveOptions:
-    from loadgen.bench.auto_live import CONFIGS, LiveOptions
+    from loadgen.bench.auto_live import CONFIGS
 
     configs = tuple(c for c in args.live_configs.split(",") if c)
     unknown = [c for c in configs if c not in CONFIGS]

@@ -27,7 +27,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ import aiohttp
 import numpy as np
 
 from loadgen.bench import auto_live_agents as agents
+from loadgen.bench.auto_live_options import CONFIG_NAMES, LiveOptions
 from services.up.process import UpProcess
 
 # per configuration its policies (the fixed ones first, auto last) and the score `results` keeps
@@ -44,6 +44,7 @@ CONFIGS = {
     "pd": ("dualpath", "ampd", "auto"),
     "fanin": tuple(agents.FANIN_POLICIES),
 }
+assert tuple(CONFIGS) == CONFIG_NAMES
 SCORES = {
     "pool": "mean_latency_s",
     "remote": "mean_latency_s",
@@ -55,35 +56,6 @@ _DECISION = re.compile(
     r"auto plan .*plan=(\S+) engine=(\S+) .*predicted_ttft_s=([0-9.e+-]+) measured_ttft_s=([0-9.e+-]+)"
 )
 _MIN_TOKEN, _MAX_TOKEN = 3, 250  # the tiny model's byte vocabulary
-
-
-@dataclass(frozen=True, slots=True)
-class LiveOptions:
-    engines: int = 2
-    docs: int = 6
-    doc_tokens: int = 1500
-    questions: int = 48
-    sessions: int = 4
-    clients: int = 4
-    max_tokens: int = 8
-    repeats: int = 2  # runs per policy
-    configs: tuple[str, ...] = tuple(CONFIGS)
-    seed: int = 0
-    # pd: multi-turn agents on 1 prefill + 1 decode node
-    pd_sessions: int = 6
-    pd_clients: int = 3
-    pd_turns: tuple[int, int] = (4, 6)  # turns per session, drawn uniformly
-    pd_first_tokens: int = 1500
-    pd_tool_tokens: tuple[int, int] = (100, 300)  # a tool result per later turn
-    pd_output_tokens: int = 16
-    pd_tool_latency_s: float = 0.1
-    # fanin: one pinned document, sub-agents on colocated engines that move the query
-    fanin_engines: int = 3
-    fanin_agents: int = 12
-    fanin_clients: int = 0  # 0: every sub-agent at once
-    fanin_doc_tokens: int = 1500
-    fanin_suffix_tokens: tuple[int, int] = (64, 256)
-    fanin_answer_tokens: int = 16
 
 
 def _prompts(o: LiveOptions) -> tuple[list[list[int]], list[list[int]]]:

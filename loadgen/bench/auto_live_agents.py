@@ -30,7 +30,7 @@ import numpy as np
 from services.up.process import UpProcess
 
 if TYPE_CHECKING:
-    from loadgen.bench.auto_live import LiveOptions
+    from loadgen.bench.auto_live_options import LiveOptions
 
 _MIN_TOKEN, _MAX_TOKEN = 3, 250  # the tiny model's byte vocabulary
 CHUNK_NAME = "bench-doc"
