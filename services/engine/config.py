@@ -37,7 +37,7 @@ class EngineConfig(BaseConfig):
     )
     load_kv: bool = doc(True, "load stored prefix blocks instead of recomputing them")
     kv_pool: str = doc(
-        "", "colocated role: the KV pool (Beluga; `kvpath serve cxlpool`) to use above storage"
+        "", "colocated, prefill or session engine: the KV pool (Beluga; `kvpath serve cxlpool`) above storage"
     )
     pool_verify_checksums: bool = doc(True, "check each pool block's checksum before using it")
     pool_lease_ms: int = doc(30_000, "how long a pool read lease or write allocation lives at most")
@@ -69,10 +69,10 @@ class EngineConfig(BaseConfig):
         self._validate_sessions()
         check(self.role in ROLES, "role", self.role, f"one of {', '.join(ROLES)}")
         check(
-            not self.kv_pool or self.role == "colocated",
+            not self.kv_pool or self.role in ("colocated", "prefill") or self.session_kv,
             "kv_pool",
             self.kv_pool,
-            "only colocated engines use a pool",
+            "only colocated, prefill and session decode engines use a pool",
         )
         check(
             self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,

@@ -22,6 +22,7 @@ class ConnectorContext:
     receiver: KvReceiver  # this engine's data-plane regions (buffers peers write into)
     peers: PeerPool  # connections to other engines' regions
     transfer_timeout_s: float  # one data-plane operation with a peer
+    tier: Any = None  # the KV tier above storage (`--kv-pool`: the pool), None: none; its connector closes it
 
     @property
     def kv(self) -> Any:

@@ -97,7 +97,7 @@ SESSION_EVENT_FAILURES = Counter(
 )
 SESSION_PREFIX_SOURCE = Counter(
     "kvpath_engine_session_prefix_source_total",
-    "Turns on a session engine by where their prefix came from: resident, storage, pe (remote prefill), none",
+    "Turns on a session engine by where their prefix came from: resident, pool, storage, pe (remote), none",
     ["source"],
 )
 

@@ -1,12 +1,15 @@
 """PE side of DualPath: get the stored prefix (own node, or streamed from the DE), stream KV to the DE.
 
 Read side PE (brief §3.3): the prefix is read from the PE node's storage into its DRAM buffer before the
-request is batched; layer l of it is copied into the cache right before layer l computes (the Basic
-baseline copies every layer before layer 0). Read side DE (§3.4): the PE reserves a receive area, asks the
-DE to stream the prefix there (`PullHits`) and, before layer l, waits for that layer's notice. After layer l
-the KV the DE needs (hit + miss on the PE path, miss only on the DE path) goes to the DE buffer; the last
-layer's writes are awaited before the step ends, so the cache blocks can be freed after it. The DONE notice
-(`PrefillDone`: first token, loaded prefix) follows when the request leaves the PE.
+request is batched (read side `pool`, on a PE with `--kv-pool`: the longest prefix the pool holds first,
+storage for the rest, `tiered_prefix.py`); layer l of it is copied into the cache right before layer l
+computes (the Basic baseline copies every layer before layer 0). Read side DE (§3.4): the PE reserves a
+receive area, asks the DE to stream the prefix there (`PullHits`) and, before layer l, waits for that
+layer's notice. After layer l the KV the DE needs (hit + miss on the PE path, miss only on the DE path) goes
+to the DE buffer; the last layer's writes are awaited before the step ends, so the cache blocks can be
+freed after it. The DONE notice (`PrefillDone`: first token, loaded prefix) follows when the request leaves
+the PE. With a pool, the prompt's full blocks are written to it once computed (awaited before DONE only
+when the request ends here).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from services.engine.prefill_hook import PeParts, PeRecord, PrefillHook
 from services.engine.receive_area import DONE_LAYER, DRAIN_GRACE_S, ReceiveArea, tag
 from services.engine.scheduler import PrefillChunk
 from services.engine.sequence import Sequence
-from shared.blocks import ExtentAllocator, blocks_for
+from services.engine.tiered_prefix import TieredPrefix
+from shared.blocks import ExtentAllocator, blocks_for, max_hit_blocks
 from shared.errors import DeadlineExceededError, KvpathError, OverloadedError
 from shared.protocol import encode
 from shared.protocol.tasks import BufferRef, PrefillDone, PrefillTask, PullHits, PullHitsReply, Task
@@ -50,12 +54,15 @@ class PrefillConnector(KvConnector):
         self.peers = ctx.peers
         self._staging_alloc = ExtentAllocator(staging_bytes)
         staging = np.empty(staging_bytes, dtype=np.uint8)
-        self.parts = PeParts(ctx.kv, self.storage.layout, self.area, ctx.peers, staging, self.timeout_s)
+        self.prefix = TieredPrefix(ctx.kv, ctx.tier, self.storage, ctx.block_size)
+        layout = self.storage.layout
+        self.parts = PeParts(ctx.kv, self.prefix, layout, self.area, ctx.peers, staging, self.timeout_s)
 
     async def start(self) -> None:
         await self.storage.start()
 
     async def close(self) -> None:
+        await self.prefix.close()
         await self.storage.close()
 
     def accept(self, seq: Sequence, task: Task) -> None:
@@ -76,9 +83,11 @@ class PrefillConnector(KvConnector):
         if kv.num_hit_blocks <= 0 or not kv.read_side:
             return
         started = time.monotonic()
-        if kv.read_side == "pe":
-            record.lease = await self.storage.read_prefix(seq, kv.num_hit_blocks)
-            record.num_loaded_blocks = record.lease.num_blocks if record.lease is not None else 0
+        if kv.read_side in ("pe", "pool"):
+            usable = max_hit_blocks(seq.num_prompt_tokens, self.block_size) if kv.read_side == "pool" else 0
+            record.prefix = await self.prefix.read(seq, tier_blocks=usable, stored_blocks=kv.num_hit_blocks)
+            record.num_loaded_blocks = record.prefix.num_blocks
+            record.num_pool_blocks = record.prefix.num_tier_blocks
         else:
             record.num_loaded_blocks = await self._pull(seq, record, kv.num_hit_blocks)
         seq.num_hit_tokens = record.num_loaded_blocks * self.block_size
@@ -117,8 +126,13 @@ class PrefillConnector(KvConnector):
 
     def save(self, seqs: Seq[Sequence]) -> None:
         for seq in seqs:
+            record: PeRecord = seq.kv_state
             if seq.num_cached_tokens:
-                self._drop_prefix(seq.kv_state)  # the prefix is in the cache now
+                self._drop_prefix(record)  # the prefix is in the cache now
+            if record.error is None:  # a failed prefix stream leaves blocks nobody may read
+                record.num_pool_blocks, commit = self.prefix.save(seq, record.num_pool_blocks)
+                if commit is not None:
+                    record.pool_commits.append(commit)
 
     def failure(self, seq: Sequence) -> KvpathError | None:
         return seq.kv_state.error if seq.kv_state is not None else None
@@ -131,19 +145,20 @@ class PrefillConnector(KvConnector):
             return None
         self.release(seq)
         ends_here = seq.finish_reason in ("stop", "length")  # else handoff (the DE decodes), abort, error
-        persisted = None
+        waits: list[Awaitable[None]] = []
         if ends_here:
             # a request whose first token ends it never reaches a DE: the PE persists its prompt itself
             chain = PersistChain(record.num_loaded_blocks)
             self.storage.persister.persist(seq, chain)
             persisted = self.storage.persister.finish(seq.request_id, chain)
+            waits = [w for w in (persisted, *record.pool_commits) if w is not None]
         done = PrefillDone(
             first_token=seq.output_token_ids[0] if seq.output_token_ids else None,
             finish_reason=seq.finish_reason if ends_here and seq.finish_reason else "",
             num_loaded_blocks=record.num_loaded_blocks,
             error=seq.error_message,
         )
-        return self._notify_done(record.task.de_buffer, encode(done), persisted)
+        return self._notify_done(record.task.de_buffer, encode(done), waits)
 
     def release(self, seq: Sequence) -> None:
         record: PeRecord | None = seq.kv_state
@@ -154,9 +169,9 @@ class PrefillConnector(KvConnector):
             self._staging_alloc.free(record.staging)
             record.staging = -1
 
-    async def _notify_done(self, de: BufferRef, meta: bytes, persisted: Awaitable[None] | None) -> None:
-        if persisted is not None:
-            await persisted
+    async def _notify_done(self, de: BufferRef, meta: bytes, waits: list[Awaitable[None]]) -> None:
+        for wait in waits:  # the request ends here: its writes first
+            await wait
         try:
             peer = await self.peers.get(de, timeout_s=self.timeout_s)
             await peer.notify(de.region, tag(de.slot, DONE_LAYER), meta, timeout_s=self.timeout_s)
@@ -164,8 +179,8 @@ class PrefillConnector(KvConnector):
             log.warning("DONE notice failed de=%s: %s", de.engine_id, exc.message)
 
     def _drop_prefix(self, record: PeRecord) -> None:
-        self.storage.release(record.lease)
-        record.lease = None
+        self.prefix.release(record.prefix)
+        record.prefix = None
         pull, record.pull = record.pull, None
         if pull is None:
             return

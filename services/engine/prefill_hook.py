@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,10 +21,10 @@ from services.engine import metrics
 from services.engine.peers import PeerPool
 from services.engine.receive_area import Extent, ReceiveArea
 from services.engine.scheduler import PrefillChunk
+from services.engine.tiered_prefix import PrefixRead, TieredPrefix
 from shared import telemetry
 from shared.blocks import BlockLayout, blocks_for, full_blocks_view, layer_view
 from shared.errors import KvpathError, ProtocolError, TransportError
-from shared.kvclient import ReadLease
 from shared.protocol import decode
 from shared.protocol.tasks import HitStreamFailed, PrefillTask
 
@@ -35,10 +36,12 @@ class PeRecord:
     task: PrefillTask
     staging: int  # offset of this request's Full Blocks in the staging buffer (-1: freed)
     num_loaded_blocks: int = 0
-    lease: ReadLease | None = None  # PE path
+    prefix: PrefixRead | None = None  # PE path: storage on this node (read side `pe`), or the pool first
     pull: Extent | None = None  # DE path: where the DE streams the prefix
     num_pulled_layers: int = 0  # layer notices consumed: the DE writes nothing more once all are
     error: KvpathError | None = None
+    num_pool_blocks: int = 0  # leading blocks the pool holds (read from it, or written to it)
+    pool_commits: list[Awaitable[None]] = field(default_factory=list)
 
     @property
     def de_id(self) -> str:
@@ -51,6 +54,7 @@ class PeParts:
     staging buffer KV leaves from."""
 
     kv: Any
+    prefix: TieredPrefix  # the PE path's loads: the pool (read side `pool`), storage below it
     layout: BlockLayout
     area: ReceiveArea
     peers: PeerPool
@@ -83,11 +87,11 @@ class PrefillHook(LayerHook):
             if not n or record.error is not None:
                 continue
             ids = chunk.seq.block_ids[:n]
-            if record.lease is not None:
+            if record.prefix is not None:
                 if record.task.is_layerwise:
-                    self.conn.kv.import_layer(ids, layer, record.lease.layer(layer))
+                    self.conn.prefix.import_into(ids, record.prefix, layer)
                 elif layer == 0:  # Basic: the whole prefix before compute
-                    self.conn.kv.import_blocks(ids, record.lease.views[:n])
+                    self.conn.prefix.import_into(ids, record.prefix, None)
             elif record.pull is not None:
                 await self._import_pulled(record, ids, layer)
 

@@ -34,7 +34,7 @@ class EngineService(Service):
         self.receiver: Any = None  # KV data plane (prefill / decode roles)
         self.sender: Any = None
         self.peers: Any = None
-        self.upper_tier: Any = None  # a KV tier above storage (colocated: the pool or the remote store)
+        self.upper_tier: Any = None  # a KV tier above storage (the pool; colocated: or the remote store)
 
     def role(self) -> str:
         return self.config.role
@@ -198,6 +198,7 @@ def build_disaggregated_connector(config: EngineConfig, service: EngineService) 
         receiver=service.receiver,
         peers=service.peers,
         transfer_timeout_s=config.transfer_timeout_s,
+        tier=service.upper_tier,
     )
     if config.role == "prefill":
         from services.engine.prefill_connector import PrefillConnector

@@ -6,17 +6,18 @@ said:
   local   (a `GenerateTask`): the turn takes the session's resident KV, the tokens it still matches, and the
           engine computes the rest itself, in its own prefill queue, chunked into its decode steps; a session
           whose KV is gone (evicted, or first seen here after its engine died) loads its stored prefix from
-          the node's storage instead of recomputing it;
+          the node's storage instead of recomputing it, or, planned with read side `pool`, from the KV pool
+          (`--kv-pool`, Beluga) with storage below it (`tiered_prefix.py`);
   remote  (a `DecodeTask`): a prefill engine computes it (`session_remote.py`) and writes back only the
           blocks past the resident ones.
 When the turn ends its KV (prompt and output) is kept for the next turn, whatever the finish reason: the
-KV of every computed token is valid. Every block that fills is persisted, so an evicted session loads.
+KV of every computed token is valid. Every block that fills is persisted, so an evicted session loads, and
+written to the pool when the engine has one (the turn's last token waits for it, as on a colocated engine).
 A request without a session id keeps nothing.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from gpu.runner import LayerHook, PrefillSeq
+from gpu.runner import LayerHook
 from services.engine import metrics
 from services.engine.connector import KvConnector
 from services.engine.connector_context import ConnectorContext
@@ -39,8 +40,8 @@ from services.engine.sessions import (
     SessionCache,
     common_prefix,
 )
-from shared.blocks import blocks_for
-from shared.kvclient import ReadLease
+from services.engine.tiered_prefix import PrefixRead, TieredLoadHook, TieredPrefix
+from shared.blocks import blocks_for, max_hit_blocks
 from shared.protocol.tasks import BufferRef, DecodeTask, GenerateTask, PullHits, PullHitsReply, Task
 
 
@@ -53,38 +54,11 @@ class SessionRecord:
     kept_tokens: int = 0  # resident tokens the turn took: valid KV at the head of seq.block_ids
     chain: PersistChain = field(default_factory=lambda: PersistChain(0))
     num_stored_blocks: int = 0  # local turn: stored prefix blocks to read instead of the resident KV
-    lease: ReadLease | None = None  # local turn: that stored prefix, until it is in the cache
+    reads_pool: bool = False  # local turn: the pool first (read side `pool`), storage below it
+    prefix: PrefixRead | None = None  # local turn: that stored prefix, until it is in the cache
     remote: RemoteTurn | None = None
-
-
-class StoredPrefixHook(LayerHook):
-    """Copies a local turn's stored prefix into the cache: every layer before the forward on the CPU, in the
-    model's worker thread (nothing to overlap with), layer l before layer l on a GPU."""
-
-    def __init__(self, kv: Any, loads: list[tuple[Sequence, int]]) -> None:
-        self.kv = kv
-        self.loads = loads
-        self.is_layerwise = kv.device != "cpu"
-
-    async def before_layer(self, layer: int, seqs: Seq[PrefillSeq]) -> None:
-        if self.is_layerwise:
-            self._import(layer)
-        elif layer == 0:
-            self._import(None)
-
-    def before_forward(self, seqs: Seq[PrefillSeq]) -> None:
-        self._import(None)
-
-    def _import(self, layer: int | None) -> None:
-        """Layer `layer` of every load (None: every layer)."""
-        for seq, n in self.loads:
-            started = time.perf_counter()
-            lease = seq.kv_state.lease
-            if layer is None:
-                self.kv.import_blocks(seq.block_ids[:n], lease.views[:n])
-            else:
-                self.kv.import_layer(seq.block_ids[:n], layer, lease.layer(layer))
-            seq.timings["import_s"] = seq.timings.get("import_s", 0.0) + time.perf_counter() - started
+    num_pool_blocks: int = 0  # leading blocks the pool holds (read from it, or written to it)
+    pool_commits: list[Awaitable[None]] = field(default_factory=list)
 
 
 class SessionConnector(KvConnector):
@@ -97,6 +71,7 @@ class SessionConnector(KvConnector):
         self.kv = ctx.kv
         self.block_size = ctx.block_size
         self.storage = ctx.node_storage()
+        self.prefix = TieredPrefix(ctx.kv, ctx.tier, self.storage, ctx.block_size)
         self.persist_kv = persist_kv
         announcer = ResidentAnnouncer(ctx.bus, ctx.engine_id, block_tokens=ctx.block_size)
         self.sessions = SessionCache(ctx.kv, announcer)
@@ -109,6 +84,7 @@ class SessionConnector(KvConnector):
 
     async def close(self) -> None:
         await self.sessions.close()
+        await self.prefix.close()
         await self.storage.close()
 
     def block_allocator(self, kv: Any) -> SessionAllocator:
@@ -132,14 +108,16 @@ class SessionConnector(KvConnector):
             return self.remote.ref(record.remote)
         kept = self._take_resident(seq, entry, whole_blocks=False)
         stored = seq.plan.kv.num_hit_blocks
-        if stored * self.block_size > kept:  # storage holds more than the cache: load it instead
+        if stored * self.block_size > kept:  # storage (or the pool) holds more than the cache: load it
             self.sessions.release(seq.block_ids)
             seq.block_ids, kept = [], 0
             record.num_stored_blocks = stored
+            record.reads_pool = seq.plan.kv.read_side == "pool"
         record.kept_tokens = kept
         seq.num_computed_tokens = seq.num_cached_tokens = kept
         record.chain = PersistChain(kept // self.block_size)  # the resident full blocks are stored
-        metrics.SESSION_PREFIX_SOURCE.labels("resident" if kept else "storage" if stored else "none").inc()
+        source = "resident" if kept else ("pool" if record.reads_pool else "storage") if stored else "none"
+        metrics.SESSION_PREFIX_SOURCE.labels(source).inc()
         return None
 
     def _take_resident(self, seq: Sequence, entry: ResidentKv | None, *, whole_blocks: bool) -> int:
@@ -170,19 +148,20 @@ class SessionConnector(KvConnector):
                 metrics.SESSION_PREFIX_SOURCE.labels("pe").inc()
             return
         if record.num_stored_blocks:
-            lease = await self.storage.read_blocks(seq, 0, record.num_stored_blocks)
-            record.lease = lease
-            loaded = lease.num_blocks if lease is not None else 0
-            seq.num_hit_tokens = loaded * self.block_size
-            record.chain = PersistChain(loaded)
+            usable = max_hit_blocks(seq.num_prompt_tokens, self.block_size) if record.reads_pool else 0
+            prefix = await self.prefix.read(seq, tier_blocks=usable, stored_blocks=record.num_stored_blocks)
+            record.prefix = prefix
+            record.num_pool_blocks = prefix.num_tier_blocks
+            seq.num_hit_tokens = prefix.num_blocks * self.block_size
+            record.chain = PersistChain(prefix.num_blocks)
 
     def layer_hook(self, chunks: Seq[PrefillChunk]) -> LayerHook | None:
         loads = [
-            (c.seq, c.load_tokens // self.block_size)
+            (c.seq, c.seq.kv_state.prefix, c.load_tokens // self.block_size)
             for c in chunks
-            if c.load_tokens and c.seq.kv_state.lease is not None
+            if c.load_tokens and c.seq.kv_state.prefix is not None
         ]
-        return StoredPrefixHook(self.kv, loads) if loads else None
+        return TieredLoadHook(self.prefix, loads) if loads else None
 
     def import_prefilled(self, chunks: Seq[PrefillChunk]) -> None:
         for chunk in chunks:
@@ -201,17 +180,20 @@ class SessionConnector(KvConnector):
     def save(self, seqs: Seq[Sequence]) -> None:
         for seq in seqs:
             record: SessionRecord = seq.kv_state
-            if record.lease is not None and seq.num_cached_tokens:
-                self.storage.release(record.lease)  # the prefix is in the cache now
-                record.lease = None
+            if record.prefix is not None and seq.num_cached_tokens:
+                self.prefix.release(record.prefix)  # the prefix is in the cache now
+                record.prefix = None
             if self.persist_kv:
                 self.storage.persister.persist(seq, record.chain)
+            record.num_pool_blocks, commit = self.prefix.save(seq, record.num_pool_blocks)
+            if commit is not None:
+                record.pool_commits.append(commit)
 
     def finish(self, seq: Sequence) -> Awaitable[None] | None:
         record: SessionRecord = seq.kv_state
         persisted = self.storage.persister.finish(seq.request_id, record.chain) if self.persist_kv else None
         announced = self._keep_resident(seq, record)
-        waits = [w for w in (persisted, announced) if w is not None]
+        waits = [w for w in (persisted, announced, *record.pool_commits) if w is not None]
         return _all(waits) if waits else None
 
     def _keep_resident(self, seq: Sequence, record: SessionRecord) -> Awaitable[None] | None:
@@ -245,9 +227,8 @@ class SessionConnector(KvConnector):
         record: SessionRecord | None = seq.kv_state
         if record is None:
             return
-        if record.lease is not None:
-            self.storage.release(record.lease)
-            record.lease = None
+        self.prefix.release(record.prefix)
+        record.prefix = None
         if record.remote is not None:
             self.remote.release(record.remote)
             record.remote = None

@@ -12,8 +12,8 @@ rows go to the holder) on every other engine, priced with the move-the-query pro
 the primitive `route_choice.py` writes into the request (route, fetch for a hit read from a tier, local for
 recompute). A forced `--move-query route|fetch|local` still decides after auto picked the engine.
 While prefill/decode engines serve instead, the plans are theirs (remote prefill on a PE with the history
-from storage on either node or from the decode engine's cache, local prefill on a session decode engine,
-recompute: `--auto-decode-engines` says which) and `auto_pd.py` executes the chosen one.
+from the pool, storage on either node or the decode engine's cache, local prefill on a session decode
+engine, recompute: `--auto-decode-engines` says which) and `auto_pd.py` executes the chosen one.
 
 Queues: the router keeps a ledger of its own predictions (prefilling engine -> request -> predicted
 first-token time) and prices an engine's queue as the latest of those still open; running decodes and
@@ -201,9 +201,10 @@ class AutoDispatch(ColocatedDispatch):
             )
         _, nodes = self.engines.cluster_snapshot(self.block_size())
         reads = {n.node: n.read_queue_tokens for n in nodes if n.is_storage_alive}
+        has_pool = any(loc.startswith("cxl:") for loc in locality)  # a pool holds some of the prompt
         if any(e.role != ROLE_COLOCATED for e in engines):  # the paths of the P/D engines
-            return AutoSnapshot(tuple(loads), reads, None, self.pd_sources, self.local_on_decode)
-        has_pool = any(loc.startswith("cxl:") for loc in locality)
+            pool_queue = 0 if has_pool else None
+            return AutoSnapshot(tuple(loads), reads, pool_queue, self.pd_sources, self.local_on_decode)
         routes = self.held_routing is not None and self.held_routing.mode == AUTO
         sources = LIVE_SOURCES | {Source.ROUTE} if routes else LIVE_SOURCES
         return AutoSnapshot(tuple(loads), reads, 0 if has_pool else None, sources)

@@ -11,12 +11,15 @@ What the topology offers depends on its decode engines (`--auto-decode-engines`)
             prefills, reading the stored prefix on its own node (`remote/storage`) or on the decode engine's
             (`remote/storage-de`, read side `de`: the decode engine reads it and streams it over), or
             recomputing it.
-`PD_PATHS` says so to the model (`AutoSnapshot.sources`, `local_on_decode`), so a path the topology does not
-offer is never chosen. A send that fails leaves out of the next decision only the engine at fault (up to
-MAX_DISPATCH_ATTEMPTS): a decode engine that refuses or cannot be reached, or a PE that fails after its
-decode engine took the turn (that turn is aborted); the request goes to another pair or prefills locally on
-the same decode engine, under a retry's own id (`attempt_request_id`), so the abort never meets it. A dead
-PE is out of every plan once its load reports stop.
+With a KV pool (`kvpath up ... --kv-tier pool`: prefill and session decode engines map it) the engine that
+prefills reads the prefix from the pool, storage below it (`remote/pool` on a PE, `local/pool` on a session
+decode engine; read side `pool`); the pool is offered when the index places the prompt's prefix in one
+(`cxl:<pool>`), as on colocated engines. `PD_PATHS` says so to the model (`AutoSnapshot.sources`,
+`local_on_decode`), so a path the topology does not offer is never chosen. A send that fails leaves out of the
+next decision only the engine at fault (up to MAX_DISPATCH_ATTEMPTS): a decode engine that refuses or cannot
+be reached, or a PE that fails after its decode engine took the turn (that turn is aborted); the request goes
+to another pair or prefills locally on the same decode engine, under a retry's own id (`attempt_request_id`),
+so the abort never meets it. A dead PE is out of every plan once its load reports stop.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from services.policy.auto import LOCAL, Decision, Plan, Source
 from services.policy.snapshot import ROLE_DECODE, ROLE_PREFILL, EngineSnapshot
 from services.router.dispatch import MAX_DISPATCH_ATTEMPTS, Dispatch, attempt_request_id, publish_abort
 from services.router.engines import EngineTable
-from services.router.pd_tasks import prefill_turn, send_local, stored_blocks, take_turn
+from services.router.pd_tasks import pooled_blocks, prefill_turn, send_local, stored_blocks, take_turn
 from services.router.streams import StreamTable
 from shared.blocks import max_hit_blocks
 from shared.errors import (
@@ -51,8 +54,8 @@ SESSION_DECODE = "session"
 DUALPATH_DECODE = "dualpath"
 # decode engines -> (the hit sources the topology offers, whether a decode engine prefills locally)
 PD_PATHS: dict[str, tuple[frozenset[Source], bool]] = {
-    SESSION_DECODE: (frozenset({Source.HBM, Source.STORAGE, Source.RECOMPUTE}), True),
-    DUALPATH_DECODE: (frozenset({Source.STORAGE, Source.STORAGE_DE, Source.RECOMPUTE}), False),
+    SESSION_DECODE: (frozenset({Source.HBM, Source.POOL, Source.STORAGE, Source.RECOMPUTE}), True),
+    DUALPATH_DECODE: (frozenset({Source.POOL, Source.STORAGE, Source.STORAGE_DE, Source.RECOMPUTE}), False),
 }
 PD_ROLES = (ROLE_PREFILL, ROLE_DECODE)
 Decide = Callable[[list[EngineSnapshot], RequestPlan, Mapping[str, int]], Decision | None]
@@ -92,6 +95,7 @@ async def dispatch_pd(
     `AutoDispatch.decide`). Each retry goes under its own id, so the abort never meets it."""
     block_size = _block_size(auto)
     stored = stored_blocks(plan, locality, block_size)
+    pooled = pooled_blocks(plan, locality, block_size)
     tried: set[str] = set()
     error: KvpathError | None = None
     for attempt in range(MAX_DISPATCH_ATTEMPTS):
@@ -105,7 +109,7 @@ async def dispatch_pd(
         chosen = decision.chosen
         streams.assign(plan.request_id, chosen.decode_engine)
         try:
-            timings = await _send(auto, task, chosen, stored, deadline, streams)
+            timings = await _send(auto, task, chosen, stored, deadline, streams, pooled=pooled)
         except EngineFault as fault:
             for engine_id in {chosen.decode_engine, chosen.prefill_engine}:
                 streams.unassign(plan.request_id, engine_id)
@@ -129,16 +133,24 @@ async def dispatch_pd(
 
 
 async def _send(
-    auto: Dispatch, plan: RequestPlan, chosen: Plan, stored: int, deadline: float, streams: StreamTable
+    auto: Dispatch,
+    plan: RequestPlan,
+    chosen: Plan,
+    stored: int,
+    deadline: float,
+    streams: StreamTable,
+    *,
+    pooled: int = 0,
 ) -> dict[str, float]:
-    """Execute the plan: a local prefill on the decode engine, or a remote one with the history's source."""
+    """Execute the plan: a local prefill on the decode engine, or a remote one with the history's source
+    (`stored`, `pooled`: the prompt's leading blocks in storage and in the pool)."""
     pe, de, hashes = chosen.prefill_engine, chosen.decode_engine, plan.kv.block_hashes
-    if chosen.where == LOCAL:  # the engine takes its resident KV by itself; storage only when planned
+    if chosen.where == LOCAL:  # the engine takes its resident KV by itself; storage or the pool when planned
+        local = tier_plan(hashes, chosen.source, stored, pooled)
         with _at_fault(de):
-            loaded = stored if chosen.source is Source.STORAGE else 0
-            return await send_local(auto, plan, de, loaded, deadline)
+            return await send_local(auto, plan, de, local.num_hit_blocks, deadline, read_side=local.read_side)
     usable = max_hit_blocks(plan.num_prompt_tokens, _block_size(auto))
-    history = partial(remote_history, hashes, chosen.source, stored, usable)
+    history = partial(remote_history, hashes, chosen.source, stored, usable, pooled=pooled)
     # storage-de: the decode engine reads, from the moment it takes the turn
     de_kv = history(0) if chosen.source is Source.STORAGE_DE else None
     placed = time.monotonic()
@@ -157,16 +169,30 @@ def _at_fault(engine_id: str) -> Iterator[None]:
         raise EngineFault(engine_id, exc) from exc
 
 
-def remote_history(hashes: list[int], source: Source, stored: int, usable: int, kept_blocks: int) -> KvPlan:
-    """The PE's KV plan once the decode engine named the blocks it kept: those (`hbm`), the stored prefix
-    read on the PE's node (`pe`: planned, or `hbm` planned but nothing kept) or on the DE's (`de`: the DE
-    had it from the start), or none."""
+def tier_plan(hashes: list[int], source: Source, stored: int, pooled: int) -> KvPlan:
+    """What the engine that prefills loads from below its cache: the pool's prefix with storage below it
+    (read side `pool`, hits up to the longer of the two), the stored prefix, or nothing."""
+    if source is Source.POOL and pooled > 0:
+        return KvPlan(block_hashes=hashes, num_hit_blocks=max(pooled, stored), read_side="pool")
+    if source is Source.STORAGE and stored > 0:
+        return KvPlan(block_hashes=hashes, num_hit_blocks=stored)
+    return KvPlan(block_hashes=hashes)
+
+
+def remote_history(
+    hashes: list[int], source: Source, stored: int, usable: int, kept_blocks: int, *, pooled: int = 0
+) -> KvPlan:
+    """The PE's KV plan once the decode engine named the blocks it kept: those (`hbm`), the pool's prefix
+    (`pool`, storage below it), the stored prefix read on the PE's node (`pe`: planned, or `hbm` planned but
+    nothing kept) or on the DE's (`de`: the DE had it from the start), or none."""
     if source is Source.STORAGE_DE:
         return KvPlan(block_hashes=hashes, num_hit_blocks=stored, read_side="de")
     kept = min(kept_blocks, usable)
     if source is Source.HBM and kept > 0:
         return KvPlan(block_hashes=hashes, num_hit_blocks=kept, read_side="hbm")
-    if source in (Source.HBM, Source.STORAGE) and stored > 0:
+    if source is Source.POOL and pooled > 0:
+        return tier_plan(hashes, source, stored, pooled)
+    if source in (Source.HBM, Source.STORAGE, Source.POOL) and stored > 0:
         return KvPlan(block_hashes=hashes, num_hit_blocks=stored, read_side="pe")
     return KvPlan(block_hashes=hashes)
 

@@ -47,16 +47,30 @@ def stored_blocks(plan: RequestPlan, locality: Mapping[str, int], block_size: in
     return min(stored, usable)
 
 
+def pooled_blocks(plan: RequestPlan, locality: Mapping[str, int], block_size: int) -> int:
+    """Leading blocks of the prompt in a KV pool (the index's `cxl:<pool>` locations), never more than a
+    prefill may skip."""
+    pooled = max((n for loc, n in locality.items() if loc.startswith("cxl:")), default=0)
+    return min(pooled, max_hit_blocks(plan.num_prompt_tokens, block_size))
+
+
 def kv_need(plan: RequestPlan) -> int:
     """Cache tokens the request may fill on its decode engine."""
     return plan.num_prompt_tokens + plan.sampling.max_tokens
 
 
 async def send_local(
-    dispatch: Dispatch, plan: RequestPlan, de: str, stored_blocks: int, deadline: float
+    dispatch: Dispatch,
+    plan: RequestPlan,
+    de: str,
+    stored_blocks: int,
+    deadline: float,
+    *,
+    read_side: str = "",
 ) -> dict[str, float]:
-    """The decode engine prefills the turn itself (from its resident KV, or `stored_blocks` of storage)."""
-    plan.kv = KvPlan(block_hashes=plan.kv.block_hashes, num_hit_blocks=stored_blocks)
+    """The decode engine prefills the turn itself (from its resident KV, or `stored_blocks` of storage;
+    `read_side` "pool": of the pool, storage below it)."""
+    plan.kv = KvPlan(block_hashes=plan.kv.block_hashes, num_hit_blocks=stored_blocks, read_side=read_side)
     ack = await ask(dispatch, de, GenerateTask(plan=plan), deadline)
     raise_refusal(ack, "session engine refused the turn")
     dispatch.engines.note_assigned(de, plan.num_prompt_tokens, kv_tokens=kv_need(plan))

@@ -115,8 +115,8 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
         "--kv-tier",
         choices=("storage", "pool", "remote"),
         default="storage",
-        help="KV tier above storage: none, Beluga's shared pool (default policy beluga), or the "
-        "remote-memory pool baseline (default policy cache-aware)",
+        help="KV tier above storage: none, Beluga's shared pool (default policy beluga; on prefill/decode "
+        "nodes with --policy auto), or the remote-memory pool baseline (default policy cache-aware)",
     )
 
 

@@ -68,8 +68,15 @@ def spec_from_args(args: argparse.Namespace, kv_root: str) -> ClusterSpec:
         raise SystemExit(f"kvpath up: policy {policy!r} does not fit the topology")
     if args.auto_decode_engines != SESSION_DECODE and not (policy == AUTO and disaggregated):
         raise SystemExit("kvpath up: --auto-decode-engines is for --policy auto on prefill/decode nodes")
-    if args.kv_tier != "storage" and (disaggregated or args.no_kv_store):
-        raise SystemExit("kvpath up: --kv-tier pool|remote serves colocated engines with a KV store")
+    if args.kv_tier != "storage" and args.no_kv_store:
+        raise SystemExit("kvpath up: --kv-tier pool|remote serves engines with a KV store")
+    if disaggregated and args.kv_tier == "remote":
+        raise SystemExit("kvpath up: --kv-tier remote serves colocated engines only")
+    if disaggregated and args.kv_tier == "pool" and policy != AUTO:
+        raise SystemExit(
+            f"kvpath up: --kv-tier pool on prefill/decode nodes needs --policy auto ({policy!r} never "
+            "plans a pool read)"
+        )
     return ClusterSpec(
         model=args.model,
         policy=policy,
@@ -118,8 +125,11 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
             ]
             procs.append(ProcessSpec(f"storage-{node}", "storage", args, kind="storage"))
     for i, (node, role) in enumerate(nodes):
-        args = ["--role", role, "--node", str(node), "--model", spec.model, *common, *tier_args]
-        args += _session_args(spec, role)
+        session_args = _session_args(spec, role)
+        # the pool serves the engines that prefill: colocated, prefill and session decode engines
+        uses_tier = role != "decode" or "--session-kv" in session_args
+        args = ["--role", role, "--node", str(node), "--model", spec.model, *common]
+        args += (tier_args if uses_tier else []) + session_args
         if not spec.with_kv_store:
             args += ["--no-persist-kv", "--no-load-kv"]
         procs.append(

@@ -34,7 +34,9 @@ from shared.protocol.subjects import check_token
 
 MAX_ID_CHARS = 256
 
-READ_SIDES = ("", "pe", "de", "hbm")  # hbm: streamed from the decode engine's resident cache (AMPD)
+# hbm: streamed from the decode engine's resident cache (AMPD); pool: the engine that prefills reads the KV
+# pool first (Beluga), storage on its node below it
+READ_SIDES = ("", "pe", "de", "hbm", "pool")
 
 
 def choice_request_id(request_id: str, index: int) -> str:
@@ -49,8 +51,10 @@ class KvPlan(Message):
     `block_hashes`: one chained hash per full block of the prompt (`len(prompt) // block_size` of them),
     salted with the fingerprint the engines announced. `num_hit_blocks`: the leading blocks to load instead
     of computing (stored, and never more than `shared.blocks.max_hit_blocks`). `read_side`: disaggregated
-    serving only, whose node reads them ("pe" | "de"; "" reads nothing), or "hbm": the decode engine streams
-    them from a session's KV resident in its cache (AMPD).
+    serving only, whose node reads them ("pe" | "de"; "" reads nothing), "hbm": the decode engine streams
+    them from a session's KV resident in its cache (AMPD), or "pool": the engine that prefills (a PE, or a
+    session decode engine's local turn) reads the longest prefix the KV pool holds, then storage for the rest
+    of `num_hit_blocks`.
     """
 
     KIND = "kv_plan"

@@ -56,11 +56,31 @@ def test_remote_tier_store_is_reached_over_the_network() -> None:
     assert policy == "cache-aware"
 
 
-def test_tiers_need_colocated_engines_and_a_store() -> None:
-    with pytest.raises(SystemExit, match="colocated engines with a KV store"):
+def test_tiers_need_a_store_and_on_pd_nodes_the_pool_needs_auto() -> None:
+    pd = ("--prefill-nodes", "1", "--decode-nodes", "1")
+    with pytest.raises(SystemExit, match="engines with a KV store"):
         _spec("--kv-tier", "pool", "--no-kv-store")
-    with pytest.raises(SystemExit, match="colocated engines with a KV store"):
-        _spec("--kv-tier", "remote", "--prefill-nodes", "1", "--decode-nodes", "1", "--policy", "dualpath")
+    with pytest.raises(SystemExit, match="remote serves colocated engines only"):
+        _spec("--kv-tier", "remote", *pd, "--policy", "auto")
+    for policy in ("dualpath", "ampd"):  # they never plan a pool read
+        with pytest.raises(SystemExit, match="needs --policy auto"):
+            _spec("--kv-tier", "pool", *pd, "--policy", policy)
+
+
+@pytest.mark.parametrize("decode_engines", ["session", "dualpath"])
+def test_auto_on_pd_nodes_maps_the_pool_into_the_engines_that_prefill(decode_engines: str) -> None:
+    pd = ("--prefill-nodes", "1", "--decode-nodes", "2", "--auto-decode-engines", decode_engines)
+    procs, policy = _spec("--kv-tier", "pool", "--policy", "auto", *pd)
+    names = [p.name for p in procs]
+    assert policy == "auto" and procs[names.index("pool-0")].service == "cxlpool"
+    engines = {p.name: p.args for p in procs if p.service == "engine"}
+    for name, args in engines.items():  # PEs, and decode engines that prefill locally (session ones)
+        role = args[args.index("--role") + 1]
+        prefills = role == "prefill" or "--session-kv" in args
+        assert ("--kv-pool" in args) == prefills, (name, args)
+        if prefills:
+            assert args[args.index("--kv-pool") + 1] == "pool-0"
+    assert sum("--kv-pool" in a for a in engines.values()) == (3 if decode_engines == "session" else 1)
 
 
 def test_the_index_snapshots_beside_the_block_store() -> None:
