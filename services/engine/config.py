@@ -51,6 +51,9 @@ class EngineConfig(BaseConfig):
     move_query: bool = doc(False, "colocated role: route held prefixes (move the query) and serve routes")
     hold_bytes: int = doc(0, "move_query: cache bytes this engine may pin as held chunks (0: holds none)")
     hold_min_tokens: int = doc(1024, "move_query: shortest prompt prefix worth holding, in tokens")
+    hold_tenant_share: float = doc(
+        0.5, "move_query: the share of hold_bytes one tenant's named chunks (`kv_chunk`) may pin"
+    )
     route_timeout_s: float = doc(2.0, "move_query: deadline of one route exchange (then it falls back)")
     route_region_bytes: int = doc(64 * 1024 * 1024, "move_query: data-plane region for route queries/replies")
     session_kv: bool = doc(
@@ -129,6 +132,7 @@ class EngineConfig(BaseConfig):
             not (self.kv_pool or self.kv_remote), "move_query", self.move_query, "not with an upper KV tier"
         )
         check(self.hold_bytes >= 0, "hold_bytes", self.hold_bytes, "must be >= 0")
+        check(0 < self.hold_tenant_share <= 1, "hold_tenant_share", self.hold_tenant_share, "in (0, 1]")
         check(self.route_timeout_s > 0, "route_timeout_s", self.route_timeout_s, "must be > 0")
         check(self.route_region_bytes > 0, "route_region_bytes", self.route_region_bytes, "must be > 0")
 

@@ -48,10 +48,20 @@ class HeldChunk:
 
 
 class HeldChunks:
-    def __init__(self, kv: Any, *, block_size: int, budget_blocks: int, events: ChunkEvents | None) -> None:
+    def __init__(
+        self,
+        kv: Any,
+        *,
+        block_size: int,
+        budget_blocks: int,
+        events: ChunkEvents | None,
+        tenant_named_blocks: int | None = None,
+    ) -> None:
         self.kv = kv
         self.block_size = block_size
         self.budget_blocks = budget_blocks
+        # the most blocks one tenant's named (pinned) chunks may take: no tenant pins the others out
+        self.tenant_named_blocks = budget_blocks if tenant_named_blocks is None else tenant_named_blocks
         self.events = events
         self.chunks: list[HeldChunk] = []
         self._by_hash: dict[int, tuple[HeldChunk, int]] = {}  # block hash -> (chunk, block index)
@@ -85,12 +95,14 @@ class HeldChunks:
         self, block_ids: list[int], block_hashes: list[int], name: ChunkName | None = None
     ) -> HeldChunk | None:
         """Take ownership of a finished request's leading blocks as a chunk; None (nothing taken) when the
-        budget cannot make room or the chunk is held already. A named pin first drops idle, unnamed chunks it
-        overlaps (it supersedes them) and takes the name."""
+        budget cannot make room, the chunk is held already, or a named pin would pass its tenant's share. A
+        named pin first drops idle, unnamed chunks it overlaps (it supersedes them) and takes the name."""
         n = len(block_ids)
         if n == 0 or n != len(block_hashes):
             return None
         if name is not None:
+            if self._tenant_named_after(name, None, n) > self.tenant_named_blocks:
+                return None
             overlapping = self._by_hash.get(block_hashes[0], (None, 0))[0]
             if overlapping is not None and not overlapping.names and overlapping.num_sessions == 0:
                 self.evict(overlapping)
@@ -107,15 +119,27 @@ class HeldChunks:
         log.info("holding chunk blocks=%d hash=%016x", n, block_hashes[-1])
         return chunk
 
-    def name(self, chunk: HeldChunk, name: ChunkName) -> None:
+    def name(self, chunk: HeldChunk, name: ChunkName) -> bool:
         """Give `chunk` the client's name (pinning it), taking it off the chunk it named before: that one is
-        evictable again unless it has other names."""
+        evictable again unless it has other names. False (nothing changes) when the tenant's named chunks
+        would pass its share of the budget."""
+        if self._tenant_named_after(name, chunk, len(chunk.block_ids)) > self.tenant_named_blocks:
+            return False
         for other in self.chunks:
             if other is not chunk and other.tenant == name.tenant:
                 other.names.discard(name.name)
         chunk.names.add(name.name)
         chunk.tenant = name.tenant
         chunk.last_used = time.monotonic()
+        return True
+
+    def _tenant_named_after(self, name: ChunkName, chunk: HeldChunk | None, num_blocks: int) -> int:
+        """The blocks of the tenant's named chunks once `chunk` (None: a new one of `num_blocks`) takes the
+        name: the name leaves the chunk it named before, which stops counting if it had no other name."""
+        others = (
+            c for c in self.chunks if c is not chunk and c.tenant == name.tenant and c.names - {name.name}
+        )
+        return num_blocks + sum(len(c.block_ids) for c in others)
 
     def unpin(self, name: ChunkName) -> list[HeldChunk]:
         """Drop the name; a chunk left without names and route sessions is freed now. The chunks it named."""

@@ -224,8 +224,10 @@ class RouteConnector(KvConnector):
         n = min(seq.num_prompt_tokens, seq.num_computed_tokens) // self.block_size
         chunk, covered = self.held.longest(seq.block_hashes[:n])
         if chunk is not None and covered == n > 0:
-            self.held.name(chunk, name)
-            metrics.HELD_PINS.labels("named").inc()
+            named = self.held.name(chunk, name)
+            metrics.HELD_PINS.labels("named" if named else "failed").inc()
+            if not named:
+                log.warning("chunk %r not named request_id=%s: the tenant's share", name.name, seq.request_id)
             return
         state = seq.route
         if state is not None and state.held is not None:  # its blocks are copies: the shorter chunk may go
@@ -302,7 +304,10 @@ def build_route_connector(config: Any, service: Any, inner: KvConnector) -> Rout
     if config.hold_bytes > 0:
         events = ChunkEvents(bus, engine_id, seed=fingerprint_seed(runner.fingerprint), block_tokens=bs)
         budget = config.hold_bytes // runner.kv.full_block_bytes
-        held = HeldChunks(runner.kv, block_size=bs, budget_blocks=budget, events=events)
+        tenant_share = int(budget * config.hold_tenant_share)
+        held = HeldChunks(
+            runner.kv, block_size=bs, budget_blocks=budget, events=events, tenant_named_blocks=tenant_share
+        )
         holder = HolderServer(
             runner,
             held,

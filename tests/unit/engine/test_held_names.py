@@ -74,3 +74,18 @@ def test_a_named_pin_supersedes_an_idle_unnamed_chunk_it_overlaps_but_not_a_busy
 def test_bad_chunk_names_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match="chunk name"):
         ChunkName(name=name).check()
+
+
+def test_one_tenants_named_chunks_stay_within_its_share_of_the_budget() -> None:
+    kv = cache()
+    held = HeldChunks(kv, block_size=4, budget_blocks=12, events=None, tenant_named_blocks=5)
+    a = ChunkName(name="doc", tenant="a")
+    first = pin(held, kv, [1, 2, 3], a)
+    assert first is not None
+    assert pin(held, kv, [5, 6, 7], ChunkName(name="other", tenant="a")) is None  # 6 > 5: refused
+    assert pin(held, kv, [5, 6, 7], ChunkName(name="doc", tenant="b")) is not None  # another tenant's share
+    second = pin(held, kv, [8, 9, 10, 11], a)  # the name moves off the first chunk: 4 <= 5
+    assert second is not None and first.names == set() and second.names == {"doc"}
+    unnamed = pin(held, kv, [20, 21])
+    assert unnamed is not None and not held.name(unnamed, ChunkName(name="more", tenant="a"))  # 4 + 2 > 5
+    assert unnamed.names == set() and second.names == {"doc"}  # a refused name changes nothing
