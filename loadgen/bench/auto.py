@@ -2,9 +2,10 @@
 policies, on the five workloads of issue 13, in one run.
 
   simulated   every policy on `dualpath`, `ampd`, `pool`, `fanin` and `mix` on one simulated cluster
-              (`loadgen/sim/auto`: 2 nodes x (1 prefill + 1 decode engine), or the same 4 GPUs colocated for
-              the colocated policies; H100-class profile), and with `--paper-scale` on 8 nodes with 4x the
-              sessions. Scores are lower-is-better: mean session JCT in seconds, 1 - SLO attainment for ampd.
+              (`loadgen/sim/auto`, 4 GPUs on 2 nodes, H100-class profile: 4 colocated engines for `auto` and
+              the colocated policies, 1 prefill + 1 decode engine per node for the P/D policies), and with
+              `--paper-scale` on 8 nodes with 4x the sessions. Scores are lower-is-better: mean session JCT
+              in seconds, 1 - SLO attainment for ampd.
   live        (`--live`) real `kvpath up` clusters, one per policy and run, per configuration
               (`auto_live.py`): colocated engines on the pool tier (`beluga` vs `auto`) and on the
               remote-store tier (`cache-aware` vs `auto`) under shared documents + short sessions (mean
@@ -98,7 +99,7 @@ def _run(args: argparse.Namespace) -> int:
         "ttft_mdape": summary["ttft_mdape"],
         "ttft_mdape_source": "simulator",
     }
-    print(format_comparison(summary, "simulated, 2 nodes (4 GPUs)"))
+    print(format_comparison(summary, "simulated, 2 nodes (4 GPUs; auto on the 4 colocated engines)"))
     if args.paper_scale:
         paper = compare(PAPER_SCALE, ClusterShape(nodes=8), profiles, seed=args.seed, progress=_progress)
         out["paper_scale"] = {"results": paper["results"], "ttft_mdape": paper["ttft_mdape"]}

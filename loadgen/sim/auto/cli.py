@@ -18,7 +18,7 @@ def run_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     policies = tuple(POLICIES) if args.sweep == "auto" else ("auto",)
     summary = compare(Scale(), ClusterShape(), gpu_profiles(), seed=seed, policies=policies)
     text = format_comparison(
-        summary, "simulated (2 nodes x (1 PE + 1 DE) or 4 colocated engines, H100-class profile)"
+        summary, "simulated (4 colocated engines, or 2 nodes x (1 PE + 1 DE) for P/D policies; H100-class)"
     )
     plans = summary["plans"]
     text += "\nplans auto chose: " + "; ".join(f"{w}: {p.get('auto', {})}" for w, p in plans.items())

@@ -2,10 +2,13 @@
 
 Resources are FIFO servers with a busy-until time: each engine's compute (prefill; a prefill on an engine
 that decodes pauses its running decodes that long), each engine's data-plane link, each node's storage NIC,
-the shared pool. Tiers: storage keeps every finished turn's KV, the pool the most recently written up to its
-capacity, each decoding engine its sessions' KV in HBM up to its capacity (LRU), and the fan-in holder its
-pinned document. Times are the profiles' (`AutoProfiles.costs`) with seeded lognormal noise, so the policy's
-predictions are checked against a run that is not its own formula.
+the shared pool. Tiers: storage keeps every turn's KV, the pool the most recently written up to its capacity,
+each decoding engine its sessions' KV in HBM up to its capacity (LRU), and the fan-in holder its pinned
+document. A turn's prompt is in the tiers from its first token on, its output once the turn finished: the
+engines write every block that fills during the prefill (`services/engine/colocated_connector.py`), so a
+request that arrives while an earlier one on the same prefix still decodes hits it. Times are the profiles'
+(`AutoProfiles.costs`) with seeded lognormal noise, so the policy's predictions are checked against a run that
+is not its own formula.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class SimCluster:
         self.storage: dict[str, int] = {}
         self.pool: OrderedDict[str, int] = OrderedDict()
         self.holder_key = holder_key
+        self.prefilled: list[tuple[float, str, str, int]] = []  # (first token at, key, engine, tokens): due
         self.holder = next(e for e in self.engines.values() if e.role != ROLE_PREFILL)
 
     def pin(self, key: str, tokens: int) -> None:
@@ -80,6 +84,13 @@ class SimCluster:
         reads = {n: _pending(q, now) for n, q in self.storage_queue.items()}
         local_ok = self.shape.topology == PD
         return AutoSnapshot(loads, reads, _pending(self.pool_queue, now), local_on_decode=local_ok)
+
+    def advance(self, now: float) -> None:
+        """Prompts whose first token is out by `now` are in the tiers."""
+        due = [x for x in self.prefilled if x[0] <= now]
+        self.prefilled = [x for x in self.prefilled if x[0] > now]
+        for _, key, engine_id, tokens in sorted(due):
+            self._commit(engine_id, key, tokens)
 
     def request(self, rid: str, key: str, prompt: int, output: int, slo: float | None) -> AutoRequest:
         resident = {}
@@ -132,7 +143,10 @@ class SimCluster:
         )
         return sender.link_free_at
 
-    def execute(self, plan: Plan, req: AutoRequest, now: float) -> Started:
+    def execute(
+        self, plan: Plan, req: AutoRequest, now: float, prefix_key: str = "", prefix_tokens: int = 0
+    ) -> Started:
+        """Run `plan`; `prefix_tokens` of the prompt (`prefix_key`) are in the tiers from its first token."""
         pe, de = self.engines[plan.prefill_engine], self.engines[plan.decode_engine]
         ready = self._ready(plan, req, now)
         hit = 0 if plan.source is Source.ROUTE else plan.hit_tokens
@@ -152,6 +166,8 @@ class SimCluster:
         step = self.p.costs.decode_step_s(batch + 1, context + req.prompt_tokens, de.role)
         end = first + self._t(step * req.output_tokens) + later_route
         de.decodes[req.request_id] = [end, float(req.prompt_tokens + req.output_tokens)]
+        if prefix_tokens > 0:
+            self.prefilled.append((first, prefix_key, de.engine_id, min(prefix_tokens, req.prompt_tokens)))
         return Started(first, de.engine_id)
 
     def decode_end(self, rid: str, engine_id: str) -> float:
@@ -159,11 +175,15 @@ class SimCluster:
 
     def finish(self, rid: str, engine_id: str, key: str, stored: int) -> None:
         """The turn is done: its KV is in storage, the pool and the decoding engine's HBM."""
+        del self.engines[engine_id].decodes[rid]
+        self._commit(engine_id, key, stored)
+
+    def _commit(self, engine_id: str, key: str, tokens: int) -> None:
+        """`tokens` of `key` are in storage, the pool and `engine_id`'s HBM (a tier keeps the longest)."""
         e = self.engines[engine_id]
-        del e.decodes[rid]
-        self.storage[key] = max(self.storage.get(key, 0), stored)
-        _lru_put(self.pool, key, stored, self.shape.pool_tokens)
-        _lru_put(e.resident, key, stored, self.shape.hbm_tokens)
+        self.storage[key] = max(self.storage.get(key, 0), tokens)
+        _lru_put(self.pool, key, max(tokens, self.pool.get(key, 0)), self.shape.pool_tokens)
+        _lru_put(e.resident, key, max(tokens, e.resident.get(key, 0)), self.shape.hbm_tokens)
 
 
 def _kept(plan: Plan) -> int:

@@ -11,7 +11,13 @@ never by the estimator's price, so the comparison isolates the decision:
   beluga       colocated, least loaded (`pick_least_loaded`), the hit read from the shared pool
   cache-aware  colocated, Dynamo-style overlap (`pick_cache_aware`) over HBM-resident prefixes, else storage
   route        colocated, least loaded, the held prefix reached by routing the query (move the query)
-  auto         `services/policy/auto.plan`
+  auto         `services/policy/auto.plan` on the colocated engines (`kvpath up --policy auto --engines 4
+               --kv-tier pool`, the router and engines with `--move-query`, as `kvpath bench auto --live`
+               starts its fan-in): every engine decodes, so the fan-in's sub-agents decode on all four as
+               under `route`, with the paths the live router offers there (the engine's HBM, the pool,
+               storage on its node, recompute, routing to the holder). On P/D engines the live router offers
+               no routing and no decode engine that prefills locally and also reads on its node for a PE
+               (`services/router/auto_pd.py` PD_PATHS), and only two of the four GPUs would decode.
 """
 
 from __future__ import annotations
@@ -125,5 +131,5 @@ POLICIES: dict[str, tuple[Policy, str]] = {
     "beluga": (beluga, "colocated"),
     "cache-aware": (cache_aware, "colocated"),
     "route": (route, "colocated"),
-    "auto": (auto, "pd"),
+    "auto": (auto, "colocated"),
 }

@@ -122,12 +122,14 @@ class _Replay:
     def _arrive(self, now: float, i: int) -> None:
         state, cluster = self.live[i], self.cluster
         turn, rid = state.session.turns[state.turn], f"{state.session.session_id}-{state.turn}"
+        cluster.advance(now)
         req = cluster.request(
             rid, turn.prefix_key, turn.prompt_tokens, turn.output_tokens, state.session.ttft_slo_s
         )
         snapshot = cluster.snapshot(now)
         chosen = self.rule(req, snapshot, self.profiles)
-        started = cluster.execute(chosen, req, now)
+        prefix = min(turn.prompt_tokens, turn.stored_after)
+        started = cluster.execute(chosen, req, now, turn.prefix_key, prefix)
         ttft = started.first_token_s - now
         self.result.plans[chosen.label] = self.result.plans.get(chosen.label, 0) + 1
         self.result.predicted_s.append(chosen.ttft_s)

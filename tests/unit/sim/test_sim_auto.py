@@ -1,11 +1,14 @@
-"""`--policy auto` in the simulator (loadgen/sim/auto): the fixed policies keep their paths, auto's
-predictions track the simulated TTFT, and on the mixed workload one cost model beats every fixed rule."""
+"""`--policy auto` in the simulator (loadgen/sim/auto): the fixed policies keep their paths, auto runs on the
+colocated engines, its predictions track the simulated TTFT, on the mixed workload one cost model beats every
+fixed rule, and a prompt's KV is reusable from its first token on."""
 
 from __future__ import annotations
 
-from loadgen.sim.auto.cluster import ClusterShape
+from loadgen.sim.auto.cluster import COLOCATED, ClusterShape, SimCluster
+from loadgen.sim.auto.policies import POLICIES
 from loadgen.sim.auto.run import compare, gpu_profiles, simulate
-from loadgen.sim.auto.workloads import Scale, build
+from loadgen.sim.auto.workloads import HOLDER_KEY, Scale, build
+from services.policy.auto import LOCAL, Plan, Source
 
 SMALL = Scale(agents=6, max_turns=8, ampd_sessions=16, pool_docs=8, pool_questions=48, fanin_agents=12)
 
@@ -29,8 +32,47 @@ def test_auto_uses_several_paths_predicts_ttft_and_wins_the_mix() -> None:
     mix = summary["results"]["mix"]
     best_fixed = min(v for k, v in mix.items() if k != "auto")
     assert mix["auto"] < best_fixed
-    assert len(summary["plans"]["mix"]["auto"]) >= 4  # hbm, pool, recompute, local and remote at least
+    plans = summary["plans"]["mix"]["auto"]
+    assert set(plans) >= {"local/hbm", "local/pool", "local/recompute"}, plans
     assert summary["ttft_mdape"] < 0.2
+
+
+def test_auto_runs_on_the_colocated_engines_and_routes_the_fan_in_there() -> None:
+    """Auto runs where the live router offers routing: every engine decodes sub-agents, as under `route`."""
+    assert POLICIES["auto"][1] == COLOCATED
+    summary = compare(SMALL, ClusterShape(), gpu_profiles(), workloads=("fanin",), policies=("route", "auto"))
+    plans = summary["plans"]["fanin"]["auto"]
+    assert "local/route" in plans and not any(label.startswith("remote/") for label in plans), plans
+    fanin = summary["results"]["fanin"]
+    assert fanin["auto"] <= 1.05 * fanin["route"]
+
+
+def test_a_prompt_is_in_the_tiers_from_its_first_token_its_output_once_the_turn_finished() -> None:
+    cluster = SimCluster(ClusterShape(topology=COLOCATED, noise=0.0), gpu_profiles(), 0, HOLDER_KEY)
+    first = cluster.request("a", "doc", 10_000, 8, None)
+    recompute = Plan(LOCAL, Source.RECOMPUTE, "e0-0", "e0-0", 0, "", 0.0, 0.0)
+    started = cluster.execute(recompute, first, 0.0, "doc", 9_900)
+    cluster.advance(started.first_token_s / 2)  # still prefilling: no tier holds the document
+    early = cluster.request("b", "doc", 10_000, 8, None)
+    assert (early.storage_hit_tokens, early.pool_hit_tokens, dict(early.resident_tokens)) == (0, 0, {})
+    # from the first token on, while "a" still decodes, its prompt is in storage, the pool and its HBM
+    assert cluster.decode_end("a", "e0-0") > started.first_token_s
+    cluster.advance(started.first_token_s)
+    hit = cluster.request("c", "doc", 10_000, 8, None)
+    assert (hit.storage_hit_tokens, hit.pool_hit_tokens, dict(hit.resident_tokens)) == (
+        9_900,
+        9_900,
+        {"e0-0": 9_900},
+    )
+    # the finished turn adds its output; a tier keeps the longest prefix of the key
+    cluster.finish("a", "e0-0", "doc", 10_008)
+    cluster.advance(started.first_token_s + 1.0)
+    later = cluster.request("d", "doc", 20_000, 8, None)
+    assert (later.storage_hit_tokens, later.pool_hit_tokens, dict(later.resident_tokens)) == (
+        10_008,
+        10_008,
+        {"e0-0": 10_008},
+    )
 
 
 def test_the_same_seed_gives_the_same_run() -> None:
