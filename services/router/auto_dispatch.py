@@ -332,7 +332,7 @@ class AutoDispatch(ColocatedDispatch):
 
 
 def build_auto_dispatch(config: RouterConfig, engines: EngineTable, bus: Bus, router_id: str) -> AutoDispatch:
-    """The dispatch of `--policy auto` (`services/router/core.build_dispatch`); with `--move-query auto` held
+    """The dispatch of `--policy auto` (`dispatch_build.build_dispatch`); with `--move-query auto` held
     prefixes are among auto's plans, with a forced mode they are routed, fetched or recomputed after auto
     picked the engine, as for the colocated policies."""
     timeout_s = config.task_ack_timeout_s

@@ -1,7 +1,8 @@
 """Router core: turn a validated request into an engine task and its token stream into text pieces.
 
 HTTP-agnostic: `api.py` renders the pieces as OpenAI JSON or SSE. Every wait has the request's deadline;
-every failure (engine refused, died, went silent, lost tokens) ends the stream with an error.
+every failure (engine refused, died, went silent, lost tokens) ends the stream with an error, unless no
+token reached the client yet and the attempt was lost with an engine: then it is sent again (`redispatch.py`).
 """
 
 from __future__ import annotations
@@ -14,19 +15,18 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.policy.ampd import SESSION_POLICIES
-from services.policy.colocated import COLOCATED_POLICIES
 from services.router import metrics
-from services.router.auto_dispatch import AUTO, AutoDispatch, build_auto_dispatch
+from services.router.auto_dispatch import AutoDispatch
 from services.router.auto_pd import has_pd_engines
 from services.router.choices import ChoiceGroup
 from services.router.config import RouterConfig
-from services.router.disaggregated import DisaggregatedDispatch, SchedulerParams
-from services.router.dispatch import ColocatedDispatch, Dispatch, publish_abort
+from services.router.disaggregated import DisaggregatedDispatch
+from services.router.dispatch import ColocatedDispatch, publish_abort
+from services.router.dispatch_build import build_dispatch
 from services.router.engines import EngineTable
 from services.router.kv_plan import KvPlanner
 from services.router.prompts import PreparedPrompt, sampling_params
-from services.router.session_dispatch import SessionDispatch, session_params
+from services.router.redispatch import Redispatch
 from services.router.stops import StopMatcher
 from services.router.streams import RequestStream, StreamTable
 from shared import logs, telemetry
@@ -38,6 +38,7 @@ from shared.errors import (
     KvpathError,
     NoEngineAvailableError,
     OverloadedError,
+    TransportError,
     error_from_code,
 )
 from shared.hashing import kv_salt
@@ -174,9 +175,10 @@ class RouterCore:
         self.is_idle.clear()
         metrics.QUEUED.inc()
         stream: RequestStream | None = None
+        again: Redispatch | None = None
         is_finished = False
         try:
-            stream = await self._open(prompt, request_id, usage, deadline, choice, group)
+            stream, again = await self._open(prompt, request_id, usage, deadline, choice, group)
             metrics.QUEUED.dec()
             metrics.RUNNING.inc()
             # one timer per request, not one per wait: at the deadline the stream gets the deadline error
@@ -184,7 +186,7 @@ class RouterCore:
                 max(0.0, deadline - time.monotonic()), stream.put_error, self._deadline_error()
             )
             try:
-                async for piece in self._pieces(stream, prompt, deadline, usage, started):
+                async for piece in self._pieces(stream, prompt, deadline, usage, started, again):
                     if piece.finish_reason is not None:  # a stop string may end it here first: abort
                         is_finished = stream.is_finished  # the engine's part then (it sent no finish)
                     yield piece
@@ -197,6 +199,8 @@ class RouterCore:
             raise
         finally:
             self.dispatch.release(request_id)
+            if again is not None and again.task_id != request_id:
+                self.dispatch.release(again.task_id)
             self.inflight -= 1
             if not self.inflight:
                 self.is_idle.set()
@@ -215,10 +219,11 @@ class RouterCore:
         deadline: float,
         choice: int,
         group: ChoiceGroup | None,
-    ) -> RequestStream:
-        """The choice's token stream once its task is dispatched (choice 0 of a group dispatches for all)."""
+    ) -> tuple[RequestStream, Redispatch | None]:
+        """The choice's token stream once its task is dispatched (choice 0 of a group dispatches for all),
+        and what dispatching it again takes (None for a group: its choices share one task)."""
         if group is not None and choice > 0:
-            return await self._join(group, request_id, deadline)
+            return await self._join(group, request_id, deadline), None
         others = (
             [] if group is None else [choice_request_id(request_id, i) for i in range(1, group.num_choices)]
         )
@@ -230,6 +235,7 @@ class RouterCore:
             for other in others:
                 if group is not None and other not in group.left:
                     self.streams.open(other)
+            again = None if group is not None else Redispatch.of(plan, locality)
             usage.timings.update(await self.dispatch.dispatch(plan, deadline, self.streams, locality))
         except BaseException as exc:
             if group is not None:
@@ -241,7 +247,17 @@ class RouterCore:
                 self.streams.assign(other, engine_id)
         if group is not None:
             group.resolve()
-        return stream
+        return stream, again
+
+    async def _redispatch(
+        self, stream: RequestStream, again: Redispatch | None, deadline: float, usage: Usage, cause: str
+    ) -> bool:
+        """Send the request again after its attempt was lost (`cause`); False when it may not: a token went
+        out, no retry left, past the deadline, or its n choices share one task."""
+        if again is None or usage.completion_tokens or not again.may(deadline):
+            return False
+        await again.send(self.dispatch, self.streams, stream, deadline, cause)
+        return True
 
     async def _join(self, group: ChoiceGroup, request_id: str, deadline: float) -> RequestStream:
         """Choice i > 0 of a group: its stream, once choice 0 dispatched the task (or its error)."""
@@ -284,13 +300,25 @@ class RouterCore:
         return plan, planned.blocks_by_location
 
     async def _pieces(
-        self, stream: RequestStream, prompt: PreparedPrompt, deadline: float, usage: Usage, started: float
+        self,
+        stream: RequestStream,
+        prompt: PreparedPrompt,
+        deadline: float,
+        usage: Usage,
+        started: float,
+        again: Redispatch | None = None,
     ) -> AsyncIterator[Piece]:
         decoder = prompt.tokenizer.incremental_decoder()
         stops = StopMatcher(prompt.request.stop)
         last_token_at = 0.0
         while True:
-            deltas = await self._next_deltas(stream, deadline)
+            try:
+                deltas = await self._next_deltas(stream, deadline)
+            except EngineFailedError:
+                engine = stream.lost_engine
+                if engine and await self._redispatch(stream, again, deadline, usage, f"engine {engine} lost"):
+                    continue
+                raise
             token_ids = deltas[0].token_ids if len(deltas) == 1 else [t for d in deltas for t in d.token_ids]
             num_tokens = len(token_ids)
             now = time.monotonic()
@@ -310,9 +338,12 @@ class RouterCore:
             finish = deltas[-1].finish_reason
             if finish == "error":
                 last = deltas[-1]
-                raise error_from_code(
-                    last.error_code or "engine_failed", last.error_message or "engine error"
-                )
+                code, message = last.error_code or "engine_failed", last.error_message or "engine error"
+                error = error_from_code(code, message)
+                peer_lost = isinstance(error, TransportError) and not num_tokens
+                if peer_lost and await self._redispatch(stream, again, deadline, usage, error.message):
+                    continue
+                raise error
             logprobs = [lp for d in deltas for lp in d.logprobs]
             text, hit_stop = stops.feed(decoder.push(token_ids))
             if hit_stop:
@@ -358,29 +389,3 @@ def _observe_stages(timings: dict[str, float]) -> None:
         value = timings.get(f"{stage}_s")
         if value is not None:
             metrics.TTFT_STAGE.labels(stage).observe(value)
-
-
-def build_dispatch(config: RouterConfig, engines: EngineTable, bus: Bus, router_id: str) -> Dispatch:
-    """The dispatch of the configured policy."""
-    if config.policy in COLOCATED_POLICIES:
-        dispatch = ColocatedDispatch(engines, bus, router_id, config.task_ack_timeout_s, policy=config.policy)
-        if config.move_query:  # move the query: held chunks routed, fetched or recomputed (route_choice.py)
-            from services.router.route_choice import HeldRouting, load_profile
-
-            profile = load_profile(config.movequery_profile)
-            dispatch.held_routing = HeldRouting(
-                engines, mode=config.move_query, profile=profile, fabric=config.movequery_fabric
-            )
-        return dispatch
-    if config.policy == AUTO:  # one cost model over the paths the engines offer (colocated or P/D)
-        return build_auto_dispatch(config, engines, bus, router_id)
-    if config.policy in SESSION_POLICIES:
-        return SessionDispatch(engines, bus, router_id, config.task_ack_timeout_s, session_params(config))
-    params = SchedulerParams(
-        policy=config.policy,
-        alpha_s=config.alpha_s,
-        beta_s=config.beta_s,
-        z_factor=config.z_factor,
-        force_read_side=config.force_read_side,
-    )
-    return DisaggregatedDispatch(engines, bus, router_id, config.task_ack_timeout_s, params)

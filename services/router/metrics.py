@@ -37,6 +37,11 @@ ENGINE_FAILURES = Counter(
     "Requests failed because their engine died, went silent or lost tokens",
     ["reason"],
 )
+REDISPATCHED = Counter(
+    "kvpath_router_requests_redispatched_total",
+    "Requests dispatched again because an engine serving them was lost before their first token",
+    ["reason"],
+)
 TTFT_STAGE = Histogram(
     "kvpath_router_ttft_stage_seconds",
     "Time to first token by stage: schedule, allocate (router), read, import, queue, prefill (engine)",

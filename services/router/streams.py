@@ -4,7 +4,9 @@ Engines publish one `TokenBatch` per step; `StreamTable.deliver` routes each del
 sequence order. A missing sequence number (a lost message) fails that request with a clear error rather than
 silently dropping tokens; a duplicate is ignored. A dispatch that retries a request sends the new attempt
 under its own id (`retarget`): engines then know the request by that id, and the failed attempt's deltas are
-dropped.
+dropped. A stream whose attempt was lost before any token reached the client (an engine's death:
+`lost_engine`) may be `restart`ed: the router dispatches the request again (`RouterCore`), and the client
+never sees the loss.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class RequestStream:
     is_finished: bool = False
     choice_ids: list[str] = field(default_factory=list)  # choice 0's: the other choices of its one task
     task_ids: list[str] = field(default_factory=list)  # the engines' ids of it, the live attempt's last
+    lost_engine: str = ""  # the engine whose death or restart failed the stream (`fail_engine`)
 
     def put_error(self, error: KvpathError) -> None:
         if not self.is_finished:
@@ -62,9 +65,24 @@ class StreamTable:
 
     def retarget(self, request_id: str, task_id: str) -> None:
         """A retried dispatch sends the request under `task_id`: take its deltas, drop the earlier attempts'
-        (an abort for an attempt names its id, so it never stops the next one)."""
+        (an abort for an attempt names its id, so it never stops the next one); by either id."""
+        request_id = self._by_task.get(request_id, request_id)
         self._streams[request_id].task_ids.append(task_id)
         self._by_task[task_id] = request_id
+
+    def restart(self, request_id: str, task_id: str) -> None:
+        """The request goes out again under `task_id` after the attempt serving it was lost before any token
+        reached the client: the engines of that attempt no longer concern it, its failure is undone, the new
+        attempt's deltas count from 0."""
+        stream = self._streams[request_id]
+        for engine_id in list(stream.engine_ids):
+            self.unassign(request_id, engine_id)
+        stream.lost_engine = ""
+        stream.next_seq = 0
+        stream.is_finished = False
+        stream.held.clear()
+        stream.queue = asyncio.Queue()
+        self.retarget(request_id, task_id)
 
     def assign(self, request_id: str, engine_id: str) -> None:
         """Record an engine serving the stream (its failure then fails the stream); by either id."""
@@ -167,6 +185,8 @@ class StreamTable:
                 continue
             if assigned_before is not None and stream.assigned_unix_s.get(engine_id, 0.0) >= assigned_before:
                 continue
+            if not stream.is_finished:
+                stream.lost_engine = engine_id
             stream.put_error(error)
             failed += 1
         return failed

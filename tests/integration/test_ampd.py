@@ -34,7 +34,7 @@ class Reference:
     """Greedy tokens of the model in this process: one prefill of the whole prompt, then decode steps."""
 
     def __init__(self, model: str) -> None:
-        self.runner = ModelRunner.load(model, device="cpu", num_kv_blocks=64)
+        self.runner = ModelRunner.load(model, device="cpu", num_kv_blocks=128)  # prompts up to 8k tokens
         self.greedy = SamplingOptions(temperature=0.0)
 
     async def tokens(self, prompt: list[int], n: int) -> list[int]:

@@ -20,6 +20,7 @@ import pytest
 
 from shared.bus import Bus
 from shared.natsserver import NatsServer
+from shared.protocol import LoadReport
 from tests.cluster import ServiceProcess, Stack, UpProcess, wait_ready
 from tests.integration.test_ampd import BLOCK, Reference, metric
 from tests.integration.test_ampd import reference as reference  # the module's fixture, shared
@@ -124,7 +125,13 @@ def pd_stack(tmp: Path, nats_server: NatsServer, *, silence_timeout_s: float) ->
             return await wait_ready(bus, ids, stack.procs, num_engines=2)
 
     services = asyncio.run(ready())
-    yield {"url": services["router-0"].http_url, "pe": pe, "de": de, "router": router_proc}
+    yield {
+        "url": services["router-0"].http_url,
+        "pe": pe,
+        "de": de,
+        "router": router_proc,
+        "namespace": stack.namespace,
+    }
     stack.stop()
 
 
@@ -164,18 +171,42 @@ async def test_auto_on_prefill_decode_engines_picks_remote_local_and_hbm_paths(
     assert errors >= 3  # each request's measured TTFT against its prediction
 
 
-async def test_auto_plans_around_a_dead_prefill_engine(
-    pd_cluster: dict[str, Any], reference: Reference
+async def test_a_prefill_engine_killed_mid_prefill_costs_the_client_nothing_and_is_planned_around(
+    pd_cluster: dict[str, Any], reference: Reference, nats_server: NatsServer
 ) -> None:
-    """Last in the module: it kills the prefill engine."""
+    """Last in the module: it kills the prefill engine while it prefills a long cold prompt (the decode
+    engine holds the turn). The router hears its silence, aborts that attempt and dispatches the request
+    again, which the decode engine prefills itself: the client gets the reference's tokens, no error. Later
+    requests plan around the dead engine."""
     url, rng = pd_cluster["url"], random.Random(4)
     pe: ServiceProcess = pd_cluster["pe"]
-    pe.kill()
+    long_prompt = [rng.randrange(3, 250) for _ in range(6000)]
+    busy = asyncio.Event()
+
+    async def on_report(report: LoadReport, _ctx: Any) -> None:
+        if report.num_running + report.num_waiting > 0:
+            busy.set()
+
+    bus = Bus(nats_server.url, pd_cluster["namespace"], name="test-pe-watch")
+    await bus.connect()
+    try:
+        await bus.subscribe(bus.subjects.load("prefill", "pe-0"), LoadReport, on_report)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+            before = await plan_counts(http, url)
+            redispatched = await metric(http, url, "kvpath_router_requests_redispatched_total")
+            request = asyncio.create_task(complete(http, url, long_prompt, 16, "killed-mid-prefill"))
+            await asyncio.wait_for(busy.wait(), 30)  # the PE took the prefill
+            pe.kill()  # SIGKILL, mid-prefill
+            out = await asyncio.wait_for(request, 60)
+            after = await plan_counts(http, url)
+            assert out["choices"][0]["token_ids"] == await reference.tokens(long_prompt, 16)
+            assert await metric(http, url, "kvpath_router_requests_redispatched_total") == redispatched + 1
+            assert after["remote/recompute"] == before["remote/recompute"] + 1  # the attempt the PE took
+            assert after["local/recompute"] == before["local/recompute"] + 1  # the decode engine's
+    finally:
+        await bus.close()
+    assert "dispatched again as" in pd_cluster["router"].log()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-        # before the router notices, a plan may still name the PE: the request fails fast or goes local
-        body = {"model": "tiny", "prompt": [5] * 300, "max_tokens": 4, "temperature": 0}
-        async with http.post(f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(10)) as resp:
-            assert resp.status in (200, 503), await resp.text()
         deadline = asyncio.get_running_loop().time() + 10
         while not await router_sees_exactly(http, url, 1):  # the router stopped hearing from the PE
             assert asyncio.get_running_loop().time() < deadline, "the router kept the dead prefill engine"

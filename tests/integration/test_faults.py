@@ -12,7 +12,16 @@ import orjson
 import pytest
 
 from shared.bus import Bus
-from shared.protocol import ErrorReply, GenerateTask, RequestPlan, SamplingParams, TaskAck, TokenBatch, decode
+from shared.protocol import (
+    ErrorReply,
+    GenerateTask,
+    LoadReport,
+    RequestPlan,
+    SamplingParams,
+    TaskAck,
+    TokenBatch,
+    decode,
+)
 from tests.cluster import Stack, wait_ready
 
 pytestmark = pytest.mark.slow
@@ -54,6 +63,40 @@ async def test_engine_death_mid_stream_ends_with_error_event(stack: tuple[Stack,
             rest = (await resp.read()).decode()
     assert rest.endswith("data: [DONE]\n\n")
     assert '"error"' in rest and "engine-0 stopped responding" in rest
+
+
+async def test_an_engine_killed_before_the_first_token_costs_the_client_nothing(
+    stack: tuple[Stack, Bus],
+) -> None:
+    """The engine that took a long prompt dies mid-prefill: once the router hears its silence it aborts that
+    attempt and dispatches the request again, to the other engine; the client gets a whole answer (the same
+    greedy tokens as the survivor gives the prompt afterwards) and no error."""
+    s, bus = stack
+    router = s.start("router", "router-0", *ROUTER_ARGS, "--no-use-kv-cache")
+    engines = {i: s.start("engine", i, "--no-persist-kv", "--no-load-kv") for i in ("engine-0", "engine-1")}
+    ready = await wait_ready(bus, {"router-0", *engines}, s.procs)
+    url = ready["router-0"].http_url
+    busy: asyncio.Queue[str] = asyncio.Queue()
+
+    async def on_report(report: LoadReport, _ctx: object) -> None:
+        if report.num_running + report.num_waiting > 0:
+            busy.put_nowait(report.service_id)
+
+    for engine_id in engines:
+        await bus.subscribe(bus.subjects.load("colocated", engine_id), LoadReport, on_report)
+    prompt = [(7 * i) % 240 + 3 for i in range(6000)]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        request = asyncio.ensure_future(_complete(http, url, body))
+        taken = await asyncio.wait_for(busy.get(), 30)  # the engine that took it, mid-prefill
+        engines[taken].kill()
+        status, out = await request
+        assert status == 200, out
+        again_status, again = await _complete(http, url, body)  # on the survivor alone
+    assert again_status == 200, again
+    assert out["choices"][0]["token_ids"] == again["choices"][0]["token_ids"]
+    assert len(out["choices"][0]["token_ids"]) == 4
+    assert f"engine {taken} lost" in router.log(), router.log()
 
 
 async def test_malformed_task_is_answered_and_engine_survives(stack: tuple[Stack, Bus]) -> None:

@@ -85,3 +85,33 @@ def test_choice_0_handed_off_frees_every_choice_from_the_prefill_engine() -> Non
     table.deliver(batch(handoff, engine="pe"))
     assert table.fail_engine("pe", EngineFailedError("gone")) == 0  # no choice depends on the PE now
     assert table.fail_engine("de", EngineFailedError("gone")) == 3
+
+
+def test_a_stream_lost_with_its_engine_restarts_under_a_new_id() -> None:
+    """fail_engine names the lost engine; restart undoes the failure, forgets the lost attempt's engines and
+    takes only the new attempt's deltas, counted from 0 again; a retry of the new attempt (`retarget` by its
+    id) still reaches the stream."""
+    table = StreamTable()
+    s = table.open("r1", "pe")
+    table.assign("r1", "de")
+    assert table.fail_engine("pe", EngineFailedError("pe stopped responding")) == 1
+    assert s.lost_engine == "pe" and s.is_finished
+    table.restart("r1", "r1-lost1")
+    assert not s.is_finished and s.lost_engine == "" and s.queue.empty() and s.engine_ids == set()
+    assert table.engines_with_streams() == []  # the lost attempt's engines no longer fail it
+    table.assign("r1-lost1", "de")
+    assert table.deliver(batch(d("r1", 0, 5), engine="de")) == 0  # the lost attempt's late delta
+    assert table.deliver(batch(d("r1-lost1", 0, 6), engine="de")) == 1
+    table.retarget("r1-lost1", "r1-lost1-retry1")  # a dispatch's own retry of the new attempt
+    assert table.deliver(batch(d("r1-lost1-retry1", 1, 7, finish="length"), engine="de")) == 1
+    got = [s.queue.get_nowait() for _ in range(2)]
+    assert [x.token_ids for x in got if isinstance(x, TokenDelta)] == [[6], [7]]
+    assert table.close("r1") == ["r1", "r1-lost1", "r1-lost1-retry1"]
+
+
+def test_a_stream_already_finished_is_not_marked_lost() -> None:
+    table = StreamTable()
+    s = table.open("r1", "e1")
+    assert table.deliver(batch(d("r1", 0, 5, finish="stop"))) == 1
+    table.fail_engine("e1", EngineFailedError("gone"))
+    assert s.lost_engine == ""

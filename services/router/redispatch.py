@@ -1,0 +1,71 @@
+"""Dispatching a request again when the attempt serving it was lost before any token reached the client.
+
+An engine that dies or restarts after taking a request (the router hears its silence or its new incarnation:
+`StreamTable.fail_engine`), or a decode engine whose KV data plane to its prefill engine breaks (that engine
+died mid-prefill: a `transport_error` delta), ends the attempt; while the client has received no token the
+request is not lost with it: `RouterCore` aborts the attempt under every id the engines knew it by and sends
+the request again through the same dispatch, under an id of its own (`<id>-lostN`, so the abort never meets
+it), up to MAX_REDISPATCHES times within the request's deadline. The dispatch decides afresh over the
+engines its table still lists (a silent engine is out of it; a dead peer not yet heard is met at its send
+and left out, as any failed send). Requests whose n choices share one task are not sent again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from services.router import metrics
+from services.router.dispatch import Dispatch, publish_abort
+from services.router.streams import RequestStream, StreamTable
+from shared.protocol import RequestPlan
+
+log = logging.getLogger(__name__)
+
+MAX_REDISPATCHES = 2  # lost attempts a request survives before its first token
+
+
+@dataclass(slots=True)
+class Redispatch:
+    """What sending a request again takes: its plan as first built (dispatches rewrite `plan.kv`), where
+    its prefix lies, and the id of the attempt the engines know now."""
+
+    plan: RequestPlan
+    locality: Mapping[str, int]
+    task_id: str
+    count: int = 0
+
+    @classmethod
+    def of(cls, plan: RequestPlan, locality: Mapping[str, int]) -> Redispatch:
+        """Kept before the first dispatch, which may rewrite the plan's KV part."""
+        return cls(fresh_plan(plan), locality, plan.request_id)
+
+    def may(self, deadline: float) -> bool:
+        return self.count < MAX_REDISPATCHES and time.monotonic() < deadline
+
+    async def send(
+        self, dispatch: Dispatch, streams: StreamTable, stream: RequestStream, deadline: float, cause: str
+    ) -> None:
+        """Abort the lost attempt, restart the stream under a new id and dispatch the request again."""
+        for task_id in stream.task_ids:
+            await publish_abort(dispatch.bus, task_id, f"{cause}; dispatched again")
+        dispatch.release(self.task_id)
+        self.count += 1
+        self.task_id = f"{stream.request_id}-lost{self.count}"
+        streams.restart(stream.request_id, self.task_id)
+        metrics.REDISPATCHED.labels("engine_lost").inc()
+        log.warning(
+            "lost before the first token request_id=%s (%s): dispatched again as %s",
+            stream.request_id,
+            cause,
+            self.task_id,
+        )
+        plan = replace(fresh_plan(self.plan), request_id=self.task_id)
+        await dispatch.dispatch(plan, deadline, streams, self.locality)
+
+
+def fresh_plan(plan: RequestPlan) -> RequestPlan:
+    """A copy of the plan whose KV part a dispatch may rewrite without touching the original's."""
+    return replace(plan, kv=replace(plan.kv))
