@@ -23,9 +23,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import EntryPoint, entry_points
 
-from gpu import commands as gpu_commands
 from gpu.model_spec import EMBEDDED_MODELS, PACKAGED_MODELS
-from services.up import launcher
 from shared.version import kvpath_version
 
 PLUGIN_GROUP = "kvpath.commands"
@@ -43,6 +41,11 @@ SERVICE_MODULES = {
 
 def build_parser(*, with_plugins: bool = True) -> argparse.ArgumentParser:
     """The whole `kvpath` parser; `with_plugins=False` leaves out the commands of higher floors."""
+    # imported here, not at the top: `kvpath serve <service>` never builds this parser, and these imports
+    # (every routing policy among them) cost each index and storage process 45 ms of CPU to start
+    from gpu import commands as gpu_commands
+    from services.up import launcher
+
     parser = argparse.ArgumentParser(prog="kvpath", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--version", action="version", version=f"kvpath {kvpath_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -59,6 +62,10 @@ def build_parser(*, with_plugins: bool = True) -> argparse.ArgumentParser:
         for plugin in plugin_commands():
             plugin.load()(sub)
     return parser
+
+
+def _command_names(parser: argparse.ArgumentParser) -> set[str]:
+    return {name for a in parser._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices}
 
 
 def plugin_commands() -> list[EntryPoint]:
@@ -93,9 +100,8 @@ def _serve(rest: list[str]) -> int:
         return main(["up", "--help"])
     if rest and rest[0] in SERVICE_MODULES:
         # everything after the service name belongs to that service's own parser; a service starts
-        # without importing the commands of higher floors
-        args, _ = build_parser(with_plugins=False).parse_known_args(["serve", rest[0]])
-        return _run_service(args, rest[1:])
+        # without importing the other commands
+        return _run_service(argparse.Namespace(service=rest[0]), rest[1:])
     if rest and not rest[0].startswith("-"):
         rest = ["--model", rest[0], *rest[1:]]
     return main(["up", *rest])
@@ -105,7 +111,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         return _serve(argv[1:])
-    args = build_parser().parse_args(argv)
+    # a command of this floor (`kvpath up`) parses without loading the higher floors' commands: their imports
+    # (the load generator, the simulators) cost `kvpath up` a third of a second before it started anything
+    parser = build_parser(with_plugins=False)
+    if not argv or argv[0] not in _command_names(parser):
+        parser = build_parser()
+    args = parser.parse_args(argv)
     result = args.func(args)
     return int(result or 0)
 

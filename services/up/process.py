@@ -109,6 +109,7 @@ class ServiceProcess:
             env=env,
             start_new_session=True,
         )
+        self._is_terminated = False
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-8000:]
@@ -118,9 +119,16 @@ class ServiceProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM: it drains and exits), once: a second SIGTERM that lands after its event
+        loop closed would kill it by the signal's default action; `stop()` waits for it."""
+        if self.proc.poll() is None and not self._is_terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self._is_terminated = True
+
     def stop(self, timeout_s: float = 20.0) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -130,8 +138,8 @@ class ServiceProcess:
 
 
 class ServiceStack:
-    """Services started one by one in one namespace of one nats-server; `stop()` ends them in reverse and
-    removes the shared-memory segments of any it had to kill."""
+    """Services started one by one in one namespace of one nats-server; `stop()` ends them (router first)
+    and removes the shared-memory segments of any it had to kill."""
 
     def __init__(self, tmp: Path, nats: NatsServer, namespace: str) -> None:
         self.tmp, self.nats, self.namespace = tmp, nats, namespace
@@ -145,6 +153,10 @@ class ServiceStack:
         return proc
 
     def stop(self) -> None:
+        # as `kvpath up` stops its children: all told at once (router first), so that they drain in parallel
+        # rather than one after another, then each waited for
+        for p in reversed(self.procs):
+            p.terminate()
         for p in reversed(self.procs):
             p.stop()
         remove_segments(f"kvpath-{self.namespace}-")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -22,10 +21,9 @@ def blocks(lang: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    up = UpProcess(tmp_path_factory.mktemp("readme"), model=None)  # the default model, as `make run`
-    yield up
-    assert up.stop() == 0, up.log()
+def cluster(smollm2_cluster: UpProcess) -> UpProcess:
+    """`kvpath up` with the default model, as `make run` (tests/conftest.py, shared)."""
+    return smollm2_cluster
 
 
 def test_the_two_commands_are_what_make_and_ci_run() -> None:

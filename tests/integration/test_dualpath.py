@@ -45,7 +45,12 @@ def disagg(tmp_path_factory: pytest.TempPathFactory, model: str) -> Iterator[UpP
 
 
 @pytest.fixture(scope="module")
-def cold(tmp_path_factory: pytest.TempPathFactory, model: str) -> Iterator[UpProcess]:
+def cold(
+    cold_cluster: UpProcess, tmp_path_factory: pytest.TempPathFactory, model: str
+) -> Iterator[UpProcess]:
+    if model == "tiny":  # the shared `kvpath up --no-kv-store` (tests/conftest.py) serves it
+        yield cold_cluster
+        return
     up = UpProcess(tmp_path_factory.mktemp("cold"), "--model", model, "--no-kv-store")
     yield up
     assert up.stop() == 0, up.log()

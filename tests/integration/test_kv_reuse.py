@@ -28,13 +28,6 @@ def kv_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     assert up.stop() == 0, up.log()
 
 
-@pytest.fixture(scope="module")
-def cold_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    up = UpProcess(tmp_path_factory.mktemp("cold"), "--no-kv-store")
-    yield up
-    assert up.stop() == 0, up.log()
-
-
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import jsonschema
@@ -60,10 +60,9 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    up = UpProcess(tmp_path_factory.mktemp("openai"), "--no-kv-store")
-    yield up
-    assert up.stop() == 0, up.log()
+def cluster(cold_cluster: UpProcess) -> UpProcess:
+    """`kvpath up --no-kv-store` (tests/conftest.py, shared)."""
+    return cold_cluster
 
 
 @pytest.fixture

@@ -19,8 +19,13 @@ STORY = "Tell me about the history of the dragon of Wawel castle in Krakow, the 
 
 
 @pytest.fixture(scope="module", params=["colocated", "dualpath"])
-def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    topology = ["--prefill-nodes", "1", "--decode-nodes", "1"] if request.param == "dualpath" else []
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm2_cluster: UpProcess
+) -> Iterator[UpProcess]:
+    if request.param == "colocated":  # `kvpath up` serving SmolLM2, shared with the README's examples
+        yield smollm2_cluster
+        return
+    topology = ["--prefill-nodes", "1", "--decode-nodes", "1"]
     up = UpProcess(tmp_path_factory.mktemp(request.param), *topology, model="smollm2")
     yield up
     assert up.stop() == 0, up.log()
