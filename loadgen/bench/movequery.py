@@ -9,11 +9,12 @@ row width, partial width, KV bytes per token and layer):
 - fetch: the requester asks (a notice), the holder writes the whole chunk (every layer), the requester
   splices it into a paged cache (one scatter); per chunk;
 - local: the chunk recomputed by the model runtime; per chunk.
-Times are the median of `--repeats` after one warm-up. The cost model (`services/policy/movequery.py`) is then
-calibrated on them (least squares, weighted by 1/T: probe + bytes/BW + attention per row x key per fabric,
-fixed + bytes/BW for fetch, c per token x layer for local), predictions printed next to measurements, the
-model's MAPE for M_q >= 64 rows and the crossovers printed; `--calibrate FILE` writes the profile the router
-reads (`--movequery-profile`). `--fanin` adds the agentic fan-in on real processes (movequery_fanin.py),
+Times are the median of `--repeats` after one warm-up (a route point's backends alternate repeat by
+repeat). The cost model (`services/policy/movequery.py`) is then calibrated on them (least squares,
+weighted by 1/T: probe + bytes/BW + attention per row x key per fabric, fixed + bytes/BW for fetch,
+c per token x layer for local), predictions printed next to measurements, the model's MAPE for M_q >= 64
+rows and the crossovers printed; `--calibrate FILE` writes the profile the router reads
+(`--movequery-profile`). `--fanin` adds the agentic fan-in on real processes (movequery_fanin.py),
 once per requester cache size of `--fanin-kv-blocks` (0: the default cache; small: memory-bound);
 `--profile FILE` skips the microbenchmark and prices auto with a profile measured before.
 `--json FILE` carries `model_mape`, `merge_max_rel_err` and `fanin` (rows of {n, primitive, ttft_p50_s,
@@ -173,14 +174,16 @@ async def _measure(
         await requester.start()
         holder.register_region("q", max(64, max_rows * shape.query_bytes_per_row))
         requester.register_region("p", max(max_chunk_bytes, max_rows * shape.partial_bytes_per_row))
-        out: dict[str, Any] = {"route": {}, "fetch": {}}
+        ends: dict[str, tuple[Any, ...]] = {}
         for backend in backends:
             to_holder = await sender.connect(holder.endpoint(), timeout_s=TIMEOUT_S, backend=backend)
             to_requester = await sender.connect(requester.endpoint(), timeout_s=TIMEOUT_S, backend=backend)
-            ends = (holder, requester, to_holder, to_requester)
-            out["route"][backend] = await _route_points(ends, shape, tokens, chunks, repeats)
+            ends[backend] = (holder, requester, to_holder, to_requester)
+        route = await _route_points(ends, shape, tokens, chunks, repeats)
+        out: dict[str, Any] = {"route": route, "fetch": {}}
+        for backend in backends:
             out["fetch"][backend] = {
-                c: await _fetch_point(ends, shape, c, repeats, max_chunk_bytes) for c in chunks
+                c: await _fetch_point(ends[backend], shape, c, repeats, max_chunk_bytes) for c in chunks
             }
         return out
     finally:
@@ -190,35 +193,45 @@ async def _measure(
 
 
 async def _route_points(
-    ends: tuple[Any, ...], shape: Any, tokens: list[int], chunks: list[int], repeats: int
-) -> list[dict[str, Any]]:
+    ends: dict[str, tuple[Any, ...]], shape: Any, tokens: list[int], chunks: list[int], repeats: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Per point (chunk, M_q) the repeats of every backend alternate, so a neighbour's burst on this shared
+    machine lands on the backends alike instead of on whichever ran during it."""
     from gpu.movequery_timing import HolderKernel, Merger, random_query
 
-    holder, requester, to_holder, to_requester = ends
-    points = []
+    points: dict[str, list[dict[str, Any]]] = {backend: [] for backend in ends}
     for chunk in chunks:
         kernel = HolderKernel(shape, chunk)
         for n in tokens:
             merger, query = Merger(shape, n), random_query(shape, n)
-
-            async def serve(count: int, kernel: HolderKernel = kernel, n: int = n) -> None:
-                for _ in range(count):
-                    notice = await holder.wait("q", 1, timeout_s=TIMEOUT_S)
-                    reply = kernel.answer(holder.region("q").view(0, notice.nbytes), n)
-                    await to_requester.write("p", 0, reply, tag=2, timeout_s=TIMEOUT_S)
-
-            server = asyncio.create_task(serve(repeats + 1))
-            times = []
+            times: dict[str, list[float]] = {backend: [] for backend in ends}
             for _ in range(repeats + 1):
-                started = time.perf_counter()
-                await to_holder.write("q", 0, query, tag=1, timeout_s=TIMEOUT_S)
-                notice = await requester.wait("p", 2, timeout_s=TIMEOUT_S)
-                merger.merge(requester.region("p").view(0, notice.nbytes).view(np.float32))
-                times.append(time.perf_counter() - started)
-            await asyncio.wait_for(server, TIMEOUT_S)
-            rows = n * shape.num_heads
-            points.append({"rows": rows, "chunk": chunk, "s": statistics.median(times[1:])})
+                for backend, backend_ends in ends.items():
+                    times[backend].append(await _exchange(backend_ends, kernel, merger, query, n))
+            for backend, measured in times.items():
+                rows = n * shape.num_heads
+                points[backend].append({"rows": rows, "chunk": chunk, "s": statistics.median(measured[1:])})
     return points
+
+
+async def _exchange(ends: tuple[Any, ...], kernel: Any, merger: Any, query: np.ndarray, n: int) -> float:
+    """One timed route exchange: query rows out, the holder's partial back, merged."""
+    holder, requester, to_holder, to_requester = ends
+
+    async def serve() -> None:
+        notice = await holder.wait("q", 1, timeout_s=TIMEOUT_S)
+        reply = kernel.answer(holder.region("q").view(0, notice.nbytes), n)
+        await to_requester.write("p", 0, reply, tag=2, timeout_s=TIMEOUT_S)
+
+    server = asyncio.create_task(serve())
+    await asyncio.sleep(0)  # the holder waits for the notice before the clock starts
+    started = time.perf_counter()
+    await to_holder.write("q", 0, query, tag=1, timeout_s=TIMEOUT_S)
+    notice = await requester.wait("p", 2, timeout_s=TIMEOUT_S)
+    merger.merge(requester.region("p").view(0, notice.nbytes).view(np.float32))
+    elapsed = time.perf_counter() - started
+    await asyncio.wait_for(server, TIMEOUT_S)
+    return elapsed
 
 
 async def _fetch_point(ends: tuple[Any, ...], shape: Any, chunk: int, repeats: int, max_bytes: int) -> float:
