@@ -128,9 +128,7 @@ class EngineConfig(BaseConfig):
             check(self.hold_bytes == 0, "hold_bytes", self.hold_bytes, "needs move_query")
             return
         check(self.role == "colocated", "move_query", self.move_query, "only colocated engines route")
-        check(
-            not (self.kv_pool or self.kv_remote), "move_query", self.move_query, "not with an upper KV tier"
-        )
+        check(not self.kv_remote, "move_query", self.move_query, "not with the remote store tier")
         check(self.hold_bytes >= 0, "hold_bytes", self.hold_bytes, "must be >= 0")
         check(0 < self.hold_tenant_share <= 1, "hold_tenant_share", self.hold_tenant_share, "in (0, 1]")
         check(self.route_timeout_s > 0, "route_timeout_s", self.route_timeout_s, "must be > 0")

@@ -166,6 +166,7 @@ class RouteConnector(KvConnector):
         seq.block_ids = [self.kv.null_block] * n  # the chunk's positions take no cache memory here
         seq.num_hit_tokens = n * self.block_size
         seq.kv_state.chain = PersistChain(n)  # the chunk's blocks are the holder's (and the store's)
+        seq.kv_state.num_pool_blocks = n  # nor are they written into a pool: this cache never had them
         seq.route = RouteState(session=session)
         metrics.ROUTED.labels("route").inc()
         return True

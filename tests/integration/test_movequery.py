@@ -14,6 +14,7 @@ import asyncio
 import json
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -227,3 +228,42 @@ async def test_a_named_chunk_is_pinned_listed_per_tenant_routed_to_and_deleted(
         assert await named_chunks(http, url, alice) == []
         async with http.delete(f"{url}/v1/kv_chunks/repo", headers=auth) as resp:
             assert resp.status == 404
+
+
+async def test_a_routed_request_on_a_pool_engine_keeps_the_held_chunk_out_of_the_pool(
+    stack: tuple[Stack, Bus], tmp_path: Path
+) -> None:
+    """Move the query beside Beluga's pool: a requester that maps the pool routes its document to the
+    holder (which does not map it), with the holder's tokens; it writes only its own blocks into the pool,
+    never the chunk's positions (which its cache never held); and once the holder is dead the next request
+    on the same document recomputes it, with the same tokens, instead of reading anything of it back."""
+    s, bus = stack
+    rng = random.Random(17)
+    doc = [rng.randrange(3, 250) for _ in range(DOC_TOKENS)]
+    agents = [doc + [rng.randrange(3, 250) for _ in range(n)] for n in (130, 200)]
+    s.start("index", "index-0")
+    s.start("storage", "storage-0", "--root", str(tmp_path / "store"))
+    s.start("cxlpool", "pool-0", "--model", "tiny", "--capacity-bytes", str(32 << 20))
+    holder = s.start("engine", "engine-0", *engine_args("shm", holds=True))
+    s.start("router", "router-0", "--http-port", "0", "--move-query", "route")
+    ready = await wait_ready(bus, {"index-0", "storage-0", "pool-0", "engine-0", "router-0"}, s.procs)
+    url = ready["router-0"].http_url
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        await complete(http, url, doc, 4, "doc")
+        await until_held(bus, doc, ready["engine-0"].kv_format.fingerprint)
+        want = [tokens(await complete(http, url, p, 16, f"b{i}")) for i, p in enumerate(agents)]
+        route = ("--move-query", "--kv-backends", "shm", "--route-timeout-s", "2")
+        s.start("engine", "engine-1", *route, "--route-region-bytes", str(8 << 20), "--kv-pool", "pool-0")
+        ready = await wait_ready(bus, {"engine-0", "engine-1", "router-0"}, s.procs, num_engines=2)
+        outs = [await complete(http, url, p, 16, f"a{i}") for i, p in enumerate(agents)]
+        assert [tokens(o) for o in outs] == want
+        text = await engine_metrics(http, ready["engine-1"].http_url)
+        assert counter(text, "kvpath_engine_route_requests_total", primitive="route") == len(agents)
+        own = sum((len(p) + 16 - 1) // BLOCK - DOC_TOKENS // BLOCK for p in agents)  # full, past the doc
+        written = counter(text, "kvpath_engine_kv_pool_blocks_total", outcome="written")
+        assert 0 < written <= own, (written, own)
+        holder.kill()
+        out = await complete(http, url, agents[0], 16, "after")
+        assert tokens(out) == want[0]
+        text = await engine_metrics(http, ready["engine-1"].http_url)
+        assert counter(text, "kvpath_engine_kv_pool_blocks_total", outcome="hit") == 0
