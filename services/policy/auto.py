@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from services.policy import auto_costs as terms
-from services.policy.auto_costs import AutoProfiles
+from services.policy.auto_costs import DEFAULT_MAX_NUM_BATCHED_TOKENS, AutoProfiles, ChunkedPrefill
 from services.policy.snapshot import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL
 
 AUTO = "auto"
@@ -52,7 +52,8 @@ ALL_SOURCES = frozenset(Source)
 class EngineLoad:
     """One engine as the estimator sees it: queued prefill (new tokens; `queued_prefill_s` when the engine
     or the router knows it in seconds, which prices a queue of many requests better than one token count),
-    its running decode batch, how long its data-plane link is still busy."""
+    its running decode batch, how long its data-plane link is still busy, and its prefill token budget per
+    step (`max_num_batched_tokens`: a longer prefill runs in chunks, each next to the running decodes)."""
 
     engine_id: str
     role: str
@@ -63,6 +64,7 @@ class EngineLoad:
     decode_context_tokens: int = 0
     link_busy_s: float = 0.0
     is_draining: bool = False
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,9 +193,9 @@ def _local_plans(req: AutoRequest, snap: AutoSnapshot, p: AutoProfiles, d: Engin
     for hit in hits:
         if hit.source not in snap.sources:
             continue
-        compute = terms.compute_s(p, hit.tokens, req.prompt_tokens - hit.tokens, d.role)
-        ttft = p.calibrated(max(queue_s, hit.ready_s) + compute)
-        harm = terms.stall_harm_s(p, compute, d.num_decoding) + join
+        pre = _prefill(p, d, hit.tokens, req.prompt_tokens - hit.tokens)
+        ttft = p.calibrated(max(queue_s, hit.ready_s) + pre.ttft_s)
+        harm = terms.stall_harm_s(p, pre.stall_s, d.num_decoding) + join
         plans.append(Plan(LOCAL, hit.source, d.engine_id, d.engine_id, hit.tokens, hit.at, ttft, harm))
     return plans
 
@@ -215,9 +217,10 @@ def _route_plans(req: AutoRequest, snap: AutoSnapshot, p: AutoProfiles, d: Engin
         if costs is None:
             continue
         first, later = costs
-        compute = terms.compute_s(p, 0, req.prompt_tokens - chunk, d.role) + first
-        harm = terms.stall_harm_s(p, compute, d.num_decoding) + _join_harm(req, p, d) + p.itl_weight * later
-        ttft = p.calibrated(queue_s + compute)
+        pre = _prefill(p, d, 0, req.prompt_tokens - chunk)
+        stall = terms.stall_harm_s(p, pre.stall_s + first, d.num_decoding)
+        harm = stall + _join_harm(req, p, d) + p.itl_weight * later
+        ttft = p.calibrated(queue_s + pre.ttft_s + first)
         plans.append(Plan(LOCAL, Source.ROUTE, d.engine_id, d.engine_id, chunk, holder, ttft, harm))
     return plans
 
@@ -247,10 +250,10 @@ def _remote_plans(
     for hit in _remote_hits(req, snap, p, pe, d):
         if hit.source not in snap.sources:
             continue
-        compute = terms.compute_s(p, hit.tokens, req.prompt_tokens - hit.tokens, pe.role)
+        pre = _prefill(p, pe, hit.tokens, req.prompt_tokens - hit.tokens)
         kept = hit.tokens if hit.source is Source.HBM else 0  # the decode engine already holds these
         handoff = terms.link_s(p, req.prompt_tokens - kept, pe.link_busy_s)
-        ttft = p.calibrated(max(queue_s, hit.ready_s) + compute + handoff)
+        ttft = p.calibrated(max(queue_s, hit.ready_s) + pre.ttft_s + handoff)
         plans.append(Plan(REMOTE, hit.source, pe.engine_id, d.engine_id, hit.tokens, hit.at, ttft, join))
     return plans
 
@@ -261,7 +264,18 @@ def _join_harm(req: AutoRequest, p: AutoProfiles, d: EngineLoad) -> float:
     )
 
 
+def _decode_step_s(p: AutoProfiles, e: EngineLoad) -> float:
+    return p.costs.decode_step_s(e.num_decoding, e.decode_context_tokens, e.role)
+
+
+def _prefill(p: AutoProfiles, e: EngineLoad, hit_tokens: int, miss_tokens: int) -> ChunkedPrefill:
+    """A prefill on `e` as its scheduler runs it: chunks of its budget, each step with its decode batch."""
+    step_s = _decode_step_s(p, e)
+    return terms.chunked_prefill(p, hit_tokens, miss_tokens, e.role, e.max_num_batched_tokens, step_s)
+
+
 def _queue_s(p: AutoProfiles, e: EngineLoad) -> float:
     if e.queued_prefill_s is not None:
         return e.queued_prefill_s
-    return terms.prefill_queue_s(p, e.queued_prefill_tokens, e.role)
+    step_s = _decode_step_s(p, e)
+    return terms.prefill_queue_s(p, e.queued_prefill_tokens, e.role, e.max_num_batched_tokens, step_s)

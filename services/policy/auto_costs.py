@@ -7,9 +7,11 @@ profile`'s T_pre / T_dec / T_kv, `services/policy/ampd_costs.py`; the move-the-q
   queueing   an engine's queued prefill tokens priced by its T_pre; a storage NIC's or the pool's pending
              reads ahead of this one; the data-plane link's busy time
   transfer   KV of `tokens` over a link (storage, pool, the engines' transport): T_kv
-  compute    the prefill of `miss` new tokens over `hit` cached ones: T_pre(hit, miss) on the engine's kind
-  harm       what a plan costs the decodes already running: a prefill on an engine that decodes stalls its
-             batch (every running decode waits that long), and one more sequence slows every later step
+  compute    the prefill of `miss` new tokens over `hit` cached ones, in chunks of the engine's token budget
+             (`max_num_batched_tokens`) as its scheduler runs it (`services/engine/scheduler.py`): every
+             step prefills one chunk, T_pre(hit + done, chunk), and steps every running decode once, T_dec
+  harm       what a plan costs the decodes already running: each of the prefill's steps is longer by its
+             chunk's T_pre for every running decode, and one more sequence slows every later step
 
 Harm is a sum of seconds over running decodes; `AutoProfiles.itl_weight` converts it into seconds of this
 request's TTFT (a stall spread over many streams is worth less than the same wait on one request's first
@@ -24,6 +26,9 @@ from services.policy.ampd_costs import STORAGE, CostModel, Piecewise
 from services.policy.movequery import CostProfile, route_exchange_s
 from shared.errors import ConfigError
 
+# the engine's prefill token budget per step when its load report does not say (services/engine/config.py
+# EngineConfig.max_num_batched_tokens; a test holds the two equal)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 POOL = "pool"  # the link of a read from the shared (CXL-style) pool
 DEFAULT_DATA_LINK = "shm"  # the engines' data-plane transport, as `kvpath profile` names it
 
@@ -59,18 +64,23 @@ class AutoProfiles:
         return self.overhead_s + self.time_scale * raw_ttft_s
 
 
-def prefill_queue_s(p: AutoProfiles, queued_tokens: int, kind: str) -> float:
+def prefill_queue_s(
+    p: AutoProfiles,
+    queued_tokens: int,
+    kind: str,
+    budget_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    decode_step_s: float = 0.0,
+) -> float:
     """How long the prefills already queued on an engine of `kind` keep it busy, from their new tokens alone:
-    T_pre's fixed and per-token terms (one batch pays the fixed cost once). Its attention term is left out:
-    priced over the summed count it would grow with the square of the queue, not with its requests."""
+    they fill `budget_tokens` a step, so each step pays T_pre's fixed term once and the running decodes'
+    `decode_step_s`, and every token its per-token term. Its attention term is left out: priced over the
+    summed count it would grow with the square of the queue, not with its requests."""
     if queued_tokens <= 0:
         return 0.0
-    a, b, _ = (
-        p.costs.prefill[kind].coef(queued_tokens)
-        if kind in p.costs.prefill
-        else _first(p).coef(queued_tokens)
-    )
-    return max(0.0, a + b * queued_tokens)
+    num_steps = -(-queued_tokens // budget_tokens)
+    chunk = min(queued_tokens, budget_tokens)
+    a, b, _ = p.costs.prefill[kind].coef(chunk) if kind in p.costs.prefill else _first(p).coef(chunk)
+    return max(0.0, num_steps * (a + decode_step_s) + b * queued_tokens)
 
 
 def _first(p: AutoProfiles) -> Piecewise:
@@ -91,13 +101,49 @@ def link_s(p: AutoProfiles, tokens: int, busy_s: float = 0.0) -> float:
 
 
 def compute_s(p: AutoProfiles, hit_tokens: int, miss_tokens: int, kind: str) -> float:
-    """The prefill itself: `miss_tokens` new tokens over `hit_tokens` cached ones (a full hit still computes
-    its last token, the one that produces the first output)."""
+    """The prefill alone, in one pass: `miss_tokens` new tokens over `hit_tokens` cached ones (a full hit
+    still computes its last token, the one that produces the first output)."""
     return p.costs.prefill_s(hit_tokens, max(1, miss_tokens), kind)
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkedPrefill:
+    """A prefill as the engine's scheduler runs it: `num_steps` steps of at most the token budget each,
+    every step also stepping the running decodes. `stall_s`: the chunks' T_pre summed, what each running
+    decode waits in all (its steps are that much longer); `ttft_s`: the steps' whole time, chunks plus
+    decode steps, until the first token."""
+
+    ttft_s: float
+    stall_s: float
+    num_steps: int
+
+
+def chunked_prefill(
+    p: AutoProfiles,
+    hit_tokens: int,
+    miss_tokens: int,
+    kind: str,
+    budget_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    decode_step_s: float = 0.0,
+) -> ChunkedPrefill:
+    """`miss_tokens` new tokens over `hit_tokens` cached ones in chunks of `budget_tokens` (the hit is loaded
+    with the first chunk and costs no budget), next to running decodes whose step takes `decode_step_s`.
+    Chunk k computes its tokens over hit + k x budget: T_pre is linear in the cached count, so the full
+    chunks together cost as many chunks over their mean cached count."""
+    miss = max(1, miss_tokens)
+    num_full, tail = divmod(miss, budget_tokens)
+    stall = p.costs.prefill_s(hit_tokens + num_full * budget_tokens, tail, kind) if tail else 0.0
+    if num_full:
+        mean_hit = hit_tokens + (num_full - 1) * budget_tokens / 2
+        stall += num_full * p.costs.prefill_s(mean_hit, budget_tokens, kind)
+    num_steps = num_full + (1 if tail else 0)
+    return ChunkedPrefill(stall + num_steps * decode_step_s, stall, num_steps)
+
+
 def stall_harm_s(p: AutoProfiles, stall_s: float, num_decoding: int) -> float:
-    """A prefill of `stall_s` on an engine with `num_decoding` running decodes pauses each of them as long."""
+    """A prefill whose chunks take `stall_s` on an engine with `num_decoding` running decodes delays each of
+    them as long (each running decode is taken to outlast the prefill: the load report does not say how
+    many tokens each has left)."""
     return p.itl_weight * stall_s * num_decoding
 
 

@@ -39,7 +39,7 @@ from typing import Any
 from services.policy.ampd_costs import STORAGE, CostModel, linear_cost_model
 from services.policy.auto import AUTO, AutoRequest, AutoSnapshot, Decision, EngineLoad, Source, plan
 from services.policy.auto_calibration import TtftCalibration
-from services.policy.auto_costs import POOL, AutoProfiles
+from services.policy.auto_costs import DEFAULT_MAX_NUM_BATCHED_TOKENS, POOL, AutoProfiles
 from services.policy.snapshot import ROLE_COLOCATED, EngineSnapshot
 from services.policy.thresholds import FALLBACK_PREFILL_TOKENS_PER_S
 from services.router import metrics
@@ -50,7 +50,7 @@ from services.router.engines import ROLE_STORAGE, EngineTable
 from services.router.streams import StreamTable
 from shared import telemetry
 from shared.bus import Bus
-from shared.protocol import RequestPlan, TokenBatch
+from shared.protocol import LoadReport, RequestPlan, TokenBatch
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,7 @@ class AutoDispatch(ColocatedDispatch):
                     running,
                     e.unfinished_tokens,
                     is_draining=e.is_draining,
+                    max_num_batched_tokens=_budget(state.report if state is not None else None),
                 )
             )
         _, nodes = self.engines.cluster_snapshot(self.block_size())
@@ -355,3 +356,9 @@ def build_auto_dispatch(config: RouterConfig, engines: EngineTable, bus: Bus, ro
             fabric=config.movequery_fabric,
         )
     return dispatch
+
+
+def _budget(report: LoadReport | None) -> int:
+    """The engine's prefill token budget per step, as its load report says (else the engines' default)."""
+    said = report.max_num_batched_tokens if report is not None else 0
+    return said or DEFAULT_MAX_NUM_BATCHED_TOKENS

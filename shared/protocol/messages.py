@@ -105,7 +105,7 @@ class LoadReport(Message):
     """Periodic load of a service. Engines fill the scheduling fields, storage the read-queue ones."""
 
     KIND = "load_report"
-    RANGES = {"waiting_kv_tokens": (0, None)}
+    RANGES = {"waiting_kv_tokens": (0, None), "max_num_batched_tokens": (0, None)}
     service_id: str
     role: str
     node: int
@@ -121,6 +121,7 @@ class LoadReport(Message):
     is_draining: bool = False
     rates: dict[str, float] = field(default_factory=dict)  # measured rates, e.g. prefill_tokens_per_s
     waiting_kv_tokens: int = 0  # engines: KV tokens the requests queued on it will need
+    max_num_batched_tokens: int = 0  # engines: prefill tokens per step (chunked beyond it); 0: not said
     route: RouteCapability | None = None  # engines speaking move-the-query's route protocol
     kv_format: KvFormat | None = None  # engines: the KV their cache holds
     # when this process of the service started (unix s): a new value under the same id is a restart, and

@@ -1,12 +1,15 @@
 """A simulated cluster that offers every KV path, and the execution of one `Plan` on it (pure, seeded).
 
-Resources are FIFO servers with a busy-until time: each engine's compute (prefill; a prefill on an engine
-that decodes pauses its running decodes that long), each engine's data-plane link, each node's storage NIC,
-the shared pool. Tiers: storage keeps every turn's KV, the pool the most recently written up to its capacity,
-each decoding engine its sessions' KV in HBM up to its capacity (LRU), and the fan-in holder its pinned
-document. A turn's prompt is in the tiers from its first token on, its output once the turn finished: the
-engines write every block that fills during the prefill (`services/engine/colocated_connector.py`), so a
-request that arrives while an earlier one on the same prefix still decodes hits it. Times are the profiles'
+Resources are FIFO servers with a busy-until time: each engine's compute, each engine's data-plane link,
+each node's storage NIC, the shared pool. An engine prefills as its scheduler does (`services/engine/
+scheduler.py`): in chunks of its token budget (`max_num_batched_tokens`), each step one chunk plus one token
+of every running decode, so a step takes the chunk's T_pre plus the batch's T_dec and a running decode waits
+the T_pre of each chunk it shares a step with (one that ends mid-prefill waits only for the chunks before).
+Tiers: storage keeps every turn's KV, the pool the most recently written up to its capacity, each decoding
+engine its sessions' KV in HBM up to its capacity (LRU), and the fan-in holder its pinned document. A turn's
+prompt is in the tiers from its first token on, its output once the turn finished: the engines write every
+block that fills during the prefill (`services/engine/colocated_connector.py`), so a request that arrives
+while an earlier one on the same prefix still decodes hits it. Times are the profiles'
 (`AutoProfiles.costs`) with seeded lognormal noise, so the policy's predictions are checked against a run that
 is not its own formula.
 """
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.policy.auto import AutoRequest, AutoSnapshot, EngineLoad, Plan, Source
-from services.policy.auto_costs import AutoProfiles, route_costs_s
+from services.policy.auto_costs import DEFAULT_MAX_NUM_BATCHED_TOKENS, AutoProfiles, route_costs_s
 from services.policy.snapshot import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL
 
 PD = "pd"  # prefill and decode engines; decode engines may also prefill (AMPD's local path)
@@ -34,6 +37,7 @@ class ClusterShape:
     hbm_tokens: int = 600_000  # KV one engine keeps resident for sessions
     pool_tokens: int = 1_500_000
     noise: float = 0.1  # lognormal sigma on every service time
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # each engine's prefill tokens per step
 
 
 @dataclass(slots=True)
@@ -44,7 +48,8 @@ class Engine:
     free_at: float = 0.0
     link_free_at: float = 0.0
     queued: list[tuple[float, int]] = field(default_factory=list)  # (done at, new tokens)
-    decodes: dict[str, list[float]] = field(default_factory=dict)  # request -> [end, context tokens]
+    # request -> [end, context tokens, seconds per output token]
+    decodes: dict[str, list[float]] = field(default_factory=dict)
     resident: OrderedDict[str, int] = field(default_factory=OrderedDict)
     pinned: dict[str, int] = field(default_factory=dict)
 
@@ -80,7 +85,8 @@ class SimCluster:
     # ------------------------------------------------------------------------------------ what a policy sees
 
     def snapshot(self, now: float) -> AutoSnapshot:
-        loads = tuple(_load(e, now) for e in self.engines.values())
+        budget = self.shape.max_num_batched_tokens
+        loads = tuple(_load(e, now, budget) for e in self.engines.values())
         reads = {n: _pending(q, now) for n, q in self.storage_queue.items()}
         local_ok = self.shape.topology == PD
         return AutoSnapshot(loads, reads, _pending(self.pool_queue, now), local_on_decode=local_ok)
@@ -151,24 +157,41 @@ class SimCluster:
         ready = self._ready(plan, req, now)
         hit = 0 if plan.source is Source.ROUTE else plan.hit_tokens
         miss = req.prompt_tokens - plan.hit_tokens
-        seconds = self.p.costs.prefill_s(hit, max(1, miss), pe.role)
         route = route_costs_s(self.p, plan.hit_tokens, miss, req.output_tokens, 0.0)
         first_route, later_route = route if plan.source is Source.ROUTE and route else (0.0, 0.0)
         start = max(pe.free_at, ready)
-        pe.free_at = start + self._t(seconds) + first_route
+        pe.free_at = self._prefill(pe, start, hit, max(1, miss), first_route)
         pe.queued.append((pe.free_at, miss))
-        for d in pe.decodes.values():  # the batch pauses while this engine prefills
-            if d[0] > start:
-                d[0] += pe.free_at - start
         first = pe.free_at if pe is de else self._send(pe, pe.free_at, req.prompt_tokens - _kept(plan))
         batch = sum(1 for d in de.decodes.values() if d[0] > first)
         context = sum(int(d[1]) for d in de.decodes.values() if d[0] > first)
         step = self.p.costs.decode_step_s(batch + 1, context + req.prompt_tokens, de.role)
         end = first + self._t(step * req.output_tokens) + later_route
-        de.decodes[req.request_id] = [end, float(req.prompt_tokens + req.output_tokens)]
+        per_token = (end - first) / req.output_tokens
+        de.decodes[req.request_id] = [end, float(req.prompt_tokens + req.output_tokens), per_token]
         if prefix_tokens > 0:
             self.prefilled.append((first, prefix_key, de.engine_id, min(prefix_tokens, req.prompt_tokens)))
         return Started(first, de.engine_id)
+
+    def _prefill(self, e: Engine, start: float, hit: int, miss: int, extra_s: float) -> float:
+        """Prefill `miss` tokens over `hit` on `e` from `start` in chunks of its budget, each step next to the
+        decodes still running then (`extra_s`, a routed exchange, ends the last step); when it ends. A running
+        decode with r tokens left shares min(r, steps) steps with it and is delayed by their chunks."""
+        budget, costs, noise = self.shape.max_num_batched_tokens, self.p.costs, self._t(1.0)
+        chunk_s = [
+            noise * costs.prefill_s(hit + done, min(budget, miss - done), e.role)
+            for done in range(0, miss, budget)
+        ]
+        running = [d for d in e.decodes.values() if d[0] > start]
+        left = [max(1, int(np.ceil((d[0] - start) / d[2] - 1e-9))) for d in running]
+        step_s = []
+        for k in range(len(chunk_s)):
+            batch = [d for d, r in zip(running, left, strict=True) if r > k]
+            step_s.append(noise * costs.decode_step_s(len(batch), sum(d[1] for d in batch), e.role))
+        waited = np.concatenate(([0.0], np.cumsum(chunk_s)))
+        for d, r in zip(running, left, strict=True):
+            d[0] += waited[min(r, len(chunk_s))] + (extra_s if r >= len(chunk_s) else 0.0)
+        return start + sum(chunk_s) + sum(step_s) + extra_s
 
     def decode_end(self, rid: str, engine_id: str) -> float:
         return self.engines[engine_id].decodes[rid][0]
@@ -202,9 +225,9 @@ def _pending(queue: list[tuple[float, int]], now: float) -> int:
     return sum(t for _, t in queue)
 
 
-def _load(e: Engine, now: float) -> EngineLoad:
+def _load(e: Engine, now: float, budget_tokens: int) -> EngineLoad:
     """What the engine's load report says: its queue in tokens and in seconds (an engine knows when its queued
-    prefills end), its running decodes, its link's backlog."""
+    prefills end), its running decodes, its link's backlog, its prefill token budget."""
     running = [d for d in e.decodes.values() if d[0] > now]
     return EngineLoad(
         e.engine_id,
@@ -215,6 +238,7 @@ def _load(e: Engine, now: float) -> EngineLoad:
         len(running),
         int(sum(d[1] for d in running)),
         max(0.0, e.link_free_at - now),
+        max_num_batched_tokens=budget_tokens,
     )
 
 

@@ -78,3 +78,45 @@ def test_route_costs_per_layer_exchange_before_and_after_the_first_token() -> No
 def test_negative_itl_weight_is_refused() -> None:
     with pytest.raises(ConfigError):
         AutoProfiles(costs=COSTS, itl_weight=-1.0)
+
+
+def test_a_long_prefill_runs_in_chunks_of_the_budget_each_step_with_the_decode_batch() -> None:
+    # 2500 new tokens in chunks of 1000 over 0, 1000 and 2000 cached ones: 115 + 125 + 71.25 ms of T_pre, and
+    # three 20 ms decode steps before the first token
+    pre = terms.chunked_prefill(profiles(), 0, 2500, "prefill", budget_tokens=1000, decode_step_s=0.02)
+    assert pre.num_steps == 3
+    assert pre.stall_s == pytest.approx(0.115 + 0.125 + 0.07125)
+    assert pre.ttft_s == pytest.approx(0.115 + 0.125 + 0.07125 + 3 * 0.02)
+    # the hit is loaded with the first chunk and costs no budget; only the new tokens are chunked
+    hit = terms.chunked_prefill(profiles(), 5000, 2000, "prefill", budget_tokens=1000)
+    assert hit.num_steps == 2
+    assert hit.stall_s == pytest.approx(2 * (0.01 + 0.1) + 1e-8 * 1000 * (5500 + 6500))
+    # within one budget it is the unchunked prefill, a full hit computing its last token
+    one = terms.chunked_prefill(profiles(), 1000, 1000, "prefill", budget_tokens=2048)
+    assert (one.num_steps, one.stall_s) == (
+        1,
+        pytest.approx(terms.compute_s(profiles(), 1000, 1000, "prefill")),
+    )
+    full = terms.chunked_prefill(profiles(), 1000, 0, "prefill")
+    assert (full.num_steps, full.stall_s) == (
+        1,
+        pytest.approx(terms.compute_s(profiles(), 1000, 0, "prefill")),
+    )
+
+
+def test_a_queue_fills_the_budget_step_by_step_next_to_the_decodes() -> None:
+    # 2500 queued tokens: 3 steps, each T_pre's fixed 10 ms and a 20 ms decode step, plus 0.1 ms a token
+    queued = terms.prefill_queue_s(profiles(), 2500, "prefill", budget_tokens=1000, decode_step_s=0.02)
+    assert queued == pytest.approx(3 * (0.01 + 0.02) + 0.25)
+    assert terms.prefill_queue_s(profiles(), 2500, "prefill", budget_tokens=4096) == pytest.approx(
+        0.01 + 0.25
+    )
+
+
+def test_the_default_budget_is_the_engine_default() -> None:
+    from dataclasses import fields
+
+    from services.engine.config import EngineConfig
+
+    default = next(f.default for f in fields(EngineConfig) if f.name == "max_num_batched_tokens")
+    assert terms.DEFAULT_MAX_NUM_BATCHED_TOKENS == default

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from services.policy import auto_costs as terms
 from services.policy.ampd_costs import Link
 from services.policy.auto import (
     LOCAL,
@@ -91,10 +92,11 @@ def test_routing_the_query_to_a_holder_beats_recomputing_a_long_unstored_prefix(
 
 
 def test_the_cheapest_plan_meeting_the_slo_else_the_one_missing_it_least() -> None:
-    engines = (EngineLoad("pe0", "prefill", 0), EngineLoad("de0", "decode", 0, num_decoding=64))
+    # a local prefill shares its step with 4 decodes (9 ms): still faster than a remote one and its handoff
+    engines = (EngineLoad("pe0", "prefill", 0), EngineLoad("de0", "decode", 0, num_decoding=4))
     req = AutoRequest("r", 1100, output_tokens=4, resident_tokens={"de0": 1000})
     loose = plan(req, AutoSnapshot(engines), P)
-    assert loose is not None and loose.chosen.where == REMOTE  # a local prefill would stall 64 decodes
+    assert loose is not None and loose.chosen.where == REMOTE  # a local prefill would stall 4 decodes
     tight_slo = loose.chosen.ttft_s * 0.99
     tight = plan(
         AutoRequest("r", 1100, output_tokens=4, resident_tokens={"de0": 1000}, ttft_slo_s=tight_slo),
@@ -135,3 +137,18 @@ def test_the_router_calibration_applies_to_every_plan_kind() -> None:
     assert {x.label for x in raw} >= {"local/route", "remote/pool", "remote/recompute", "local/storage"}
     for a, b in zip(raw, calibrated, strict=True):
         assert b.ttft_s == pytest.approx(0.1 + 2.0 * a.ttft_s), a.label
+
+
+def test_a_local_prefill_is_priced_in_chunks_next_to_the_running_decodes() -> None:
+    """TTFT: each chunk's T_pre plus one step of the 4 running decodes (9 ms); harm: each decode waits the
+    chunks' T_pre; the live default budget (2048) takes two steps, so an earlier first token."""
+    req = AutoRequest("r", 2500, output_tokens=1)
+    snap = AutoSnapshot((colo("e0", num_decoding=4, max_num_batched_tokens=1000),))
+    (local,) = enumerate_plans(req, snap, P)
+    stall = 0.115 + 0.125 + 0.07125
+    assert local.ttft_s == pytest.approx(stall + 3 * 0.009)
+    assert local.harm_s == pytest.approx(4 * stall + terms.join_harm_s(P, 4, 0, 2500, 1, "colocated"))
+    (coarse,) = enumerate_plans(req, AutoSnapshot((colo("e0", num_decoding=4),)), P)
+    two_chunks = COSTS.prefill_s(0, 2048, "colocated") + COSTS.prefill_s(2048, 452, "colocated")
+    assert coarse.ttft_s == pytest.approx(two_chunks + 2 * 0.009)
+    assert coarse.ttft_s < local.ttft_s

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from services.policy.auto import Source, enumerate_plans
+from services.policy.auto_costs import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from services.router import metrics
 from services.router.auto_dispatch import AutoDispatch, build_auto_dispatch
 from services.router.auto_pd import remote_history
@@ -166,3 +167,13 @@ def test_with_move_query_auto_a_held_chunk_is_resident_on_its_holder_and_routed_
         forced._request(snapshots, plan("j"), locality).held_tokens == {}
     )  # a forced mode decides after auto
     assert Source.ROUTE not in forced._snapshot(snapshots, locality).sources
+
+
+def test_each_engine_is_priced_with_the_prefill_budget_its_load_report_states() -> None:
+    auto = dispatch()
+    state = auto.engines.get("e0")
+    assert state is not None
+    state.report.max_num_batched_tokens = 512
+    snap = auto._snapshot(auto.engines.engine_snapshots(64, ("colocated",)), {})
+    budgets = {e.engine_id: e.max_num_batched_tokens for e in snap.engines}
+    assert budgets == {"e0": 512, "e1": DEFAULT_MAX_NUM_BATCHED_TOKENS}  # e1 says nothing: the default

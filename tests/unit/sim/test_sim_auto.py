@@ -1,14 +1,17 @@
 """`--policy auto` in the simulator (loadgen/sim/auto): the fixed policies keep their paths, auto runs on the
 colocated engines, its predictions track the simulated TTFT, on the mixed workload one cost model beats every
-fixed rule, and a prompt's KV is reusable from its first token on."""
+fixed rule, a prompt's KV is reusable from its first token on, and an engine prefills in chunks as the live
+one does."""
 
 from __future__ import annotations
+
+import pytest
 
 from loadgen.sim.auto.cluster import COLOCATED, ClusterShape, SimCluster
 from loadgen.sim.auto.policies import POLICIES
 from loadgen.sim.auto.run import compare, gpu_profiles, simulate
 from loadgen.sim.auto.workloads import HOLDER_KEY, Scale, build
-from services.policy.auto import LOCAL, Plan, Source
+from services.policy.auto import LOCAL, Plan, Source, enumerate_plans
 
 SMALL = Scale(agents=6, max_turns=8, ampd_sessions=16, pool_docs=8, pool_questions=48, fanin_agents=12)
 
@@ -80,3 +83,27 @@ def test_the_same_seed_gives_the_same_run() -> None:
     a = simulate(sessions, "auto", ClusterShape(), gpu_profiles(), 3, "pool")
     b = simulate(sessions, "auto", ClusterShape(), gpu_profiles(), 3, "pool")
     assert (a.ttft_s, a.plans) == (b.ttft_s, b.plans)
+
+
+def test_an_engine_prefills_in_chunks_while_its_decodes_keep_stepping() -> None:
+    """As the engine's scheduler: 2500 new tokens in chunks of 1000, every step one chunk plus one token of
+    each running decode. A decode with 1000 tokens left waits all three chunks' T_pre; one with 2 left shares
+    (and waits) the first two and is gone for the third step. The policy prices the same steps."""
+    shape = ClusterShape(topology=COLOCATED, noise=0.0, max_num_batched_tokens=1000)
+    cluster = SimCluster(shape, gpu_profiles(), 0, HOLDER_KEY)
+    costs, e = cluster.p.costs, cluster.engines["e0-0"]
+    e.decodes["long"] = [10.0, 1000.0, 0.01]  # [end, context tokens, seconds per token]: 1000 tokens left
+    e.decodes["short"] = [0.02, 500.0, 0.01]  # 2 tokens left
+    chunks = [costs.prefill_s(0, 1000, "colocated"), costs.prefill_s(1000, 1000, "colocated")]
+    chunks.append(costs.prefill_s(2000, 500, "colocated"))
+    both, alone = costs.decode_step_s(2, 1500, "colocated"), costs.decode_step_s(1, 1000, "colocated")
+    req = cluster.request("r", "doc", 2500, 4, None)
+    snapshot = cluster.snapshot(0.0)
+    recompute = Plan(LOCAL, Source.RECOMPUTE, "e0-0", "e0-0", 0, "", 0.0, 0.0)
+    started = cluster.execute(recompute, req, 0.0)
+    assert started.first_token_s == pytest.approx(sum(chunks) + 2 * both + alone)
+    assert e.decodes["long"][0] == pytest.approx(10.0 + sum(chunks))
+    assert e.decodes["short"][0] == pytest.approx(0.02 + chunks[0] + chunks[1])
+    # the estimator, seeing both decodes running, prices three steps of the two-decode batch
+    priced = next(x for x in enumerate_plans(req, snapshot, cluster.p) if x.source is Source.RECOMPUTE)
+    assert priced.ttft_s == pytest.approx(sum(chunks) + 3 * both)
