@@ -1,16 +1,18 @@
 """Read path: Full Block files -> the node buffer, under a bandwidth budget, leased to the request.
 
 Blocks are read by I/O threads in runs of consecutive blocks (one job per run, at most
-`max_concurrent_reads` jobs at once across all requests), each block with preadv straight into its place
-in the mapped node buffer, no faster than the token bucket allows. Only the verified leading blocks are
-leased; a bad block (missing, corrupt, foreign) ends the prefix, is removed and reported. Cancelling a
-read (cancel message, abort, deadline) frees its extent once the I/O threads touching it are done.
+`max_concurrent_reads` jobs at once across all requests: the read executor's threads), each block with
+preadv straight into its place in the mapped node buffer; a read is leased no sooner than the token bucket
+allows. Only the verified leading blocks are leased; a bad block (missing, corrupt, foreign) ends the
+prefix, is removed and reported. Cancelling a read (cancel message, abort, deadline) drops its queued jobs
+and frees its extent once the I/O threads touching it are done.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -59,7 +61,10 @@ class ReaderLimits:
 
 
 class BlockReader:
-    """Serves reads into the node buffer; `space` owns the buffer's extents and leases."""
+    """Serves reads into the node buffer; `space` owns the buffer's extents and leases.
+
+    `executor` runs this reader's jobs only: its `max_concurrent_reads` threads are the I/O concurrency limit.
+    """
 
     def __init__(
         self,
@@ -80,7 +85,6 @@ class BlockReader:
         self._buffer = buffer_array.data
         self._executor = executor
         self._report_bad = report_bad
-        self._io_slots = asyncio.Semaphore(limits.max_concurrent_reads)
         self._pending: dict[int, _PendingRead] = {}
         self._tasks: dict[str, set[asyncio.Task[tuple[Lease | None, str]]]] = {}
 
@@ -193,36 +197,47 @@ class BlockReader:
     async def _read_blocks(
         self, req: StorageReadRequest, offset: int, num_blocks: int, pending: _PendingRead, jobs: _Jobs
     ) -> list[ReadOutcome | None]:
-        """Read the blocks in runs (one I/O-thread job each); a bad block ends the useful prefix."""
+        """Read the blocks in runs, one I/O-thread job each, all queued at once; a bad block ends the prefix.
+
+        The executor's `max_concurrent_reads` threads are the I/O concurrency limit: a thread that finishes a
+        job takes the next queued one (of any request) without waiting for the event loop, which wakes once
+        per read, when its last job is done. Jobs not started when the read is cancelled are dropped.
+        """
         loop = asyncio.get_running_loop()
         fp_hash = fingerprint_seed(req.fingerprint)
         block_bytes = req.block_bytes
         outcomes: list[ReadOutcome | None] = [None] * num_blocks
         fan_out = -(-num_blocks // self.limits.max_concurrent_reads)
         per_job = max(1, min(max(fan_out, _MIN_JOB_BYTES // block_bytes), _MAX_JOB_BYTES // block_bytes))
-
-        async def read_run(start: int, stop: int) -> None:
-            async with self._io_slots:
-                if any(o is not None and o is not ReadOutcome.OK for o in outcomes[:start]):
-                    return  # past a bad block: nothing here can be used
-                done_at = self.bucket.reserve((stop - start) * block_bytes, loop.time())
-                dest = self._buffer[offset + start * block_bytes : offset + stop * block_bytes]
-                job = self._executor.submit(self._read_run_sync, fp_hash, req.block_hashes[start:stop], dest)
-                jobs.append(job)
-                results = await asyncio.wrap_future(job)
-                if done_at > loop.time():
-                    await asyncio.sleep(done_at - loop.time())
-            outcomes[start : start + len(results)] = results
-            pending.blocks_left -= stop - start
-            metrics.READ_BYTES.inc(len(results) * block_bytes)
-            self._account(fp_hash, req.block_hashes[start:stop], results)
-
-        await asyncio.gather(
-            *(read_run(i, min(i + per_job, num_blocks)) for i in range(0, num_blocks, per_job))
-        )
+        done_at = self.bucket.reserve(num_blocks * block_bytes, loop.time())
+        runs = [req.block_hashes[i : min(i + per_job, num_blocks)] for i in range(0, num_blocks, per_job)]
+        for start, hashes in zip(range(0, num_blocks, per_job), runs, strict=True):
+            dest = self._buffer[offset + start * block_bytes : offset + (start + len(hashes)) * block_bytes]
+            jobs.append(self._executor.submit(self._read_run_sync, fp_hash, hashes, dest, outcomes, start))
+        try:
+            await _all_done(jobs)
+        finally:
+            for job in jobs:
+                job.cancel()  # only those still queued: a running job finishes its run
+            for hashes, job in zip(runs, jobs, strict=False):
+                if job.done() and not job.cancelled() and job.exception() is None:
+                    self._account(fp_hash, hashes, job.result(), block_bytes, pending)
+        for job in jobs:
+            job.result()  # an I/O error fails the read
+        if done_at > loop.time():
+            await asyncio.sleep(done_at - loop.time())
         return outcomes
 
-    def _account(self, fp_hash: int, hashes: list[int], results: list[ReadOutcome]) -> None:
+    def _account(
+        self,
+        fp_hash: int,
+        hashes: list[int],
+        results: list[ReadOutcome],
+        block_bytes: int,
+        pending: _PendingRead,
+    ) -> None:
+        pending.blocks_left -= len(hashes)
+        metrics.READ_BYTES.inc(len(results) * block_bytes)
         now = time.time()  # tail first, so a chain's head is its most recent block (evicted last)
         for block_hash, outcome in reversed(list(zip(hashes, results, strict=False))):
             if outcome is ReadOutcome.OK:
@@ -230,9 +245,20 @@ class BlockReader:
             else:
                 self.catalog.remove((fp_hash, block_hash))
 
-    def _read_run_sync(self, fp_hash: int, hashes: list[int], dest: memoryview) -> list[ReadOutcome]:
-        """In an I/O thread: read consecutive blocks into `dest`, stopping after the first bad one."""
+    def _read_run_sync(
+        self,
+        fp_hash: int,
+        hashes: list[int],
+        dest: memoryview,
+        outcomes: list[ReadOutcome | None],
+        start: int,
+    ) -> list[ReadOutcome]:
+        """In an I/O thread: read consecutive blocks into `dest`, stopping after the first bad one, and
+        put their outcomes into `outcomes[start:]`. Reads nothing when an earlier block is already bad."""
+        if any(o is not None and o is not ReadOutcome.OK for o in outcomes[:start]):
+            return []
         out = self.store.read_run_into(fp_hash, hashes, dest, verify=self.limits.verify_checksums)
+        outcomes[start : start + len(out)] = out  # one list operation: atomic under the GIL
         if self.limits.touch_files:
             for block_hash, outcome in zip(hashes, out, strict=False):
                 if outcome is ReadOutcome.OK:
@@ -258,3 +284,27 @@ class BlockReader:
             for task in tasks:
                 task.cancel()
         self._buffer = memoryview(b"")
+
+
+def _all_done(jobs: _Jobs) -> asyncio.Future[None]:
+    """A future of the running loop, set once every job is done (one loop wake per read, not per job)."""
+    loop = asyncio.get_running_loop()
+    all_done: asyncio.Future[None] = loop.create_future()
+    left = [len(jobs)]
+    lock = threading.Lock()  # done callbacks run in the I/O threads
+
+    def one_done(_job: object) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        loop.call_soon_threadsafe(_resolve, all_done)
+
+    for job in jobs:
+        job.add_done_callback(one_done)
+    return all_done
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # not cancelled meanwhile
+        future.set_result(None)

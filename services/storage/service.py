@@ -58,9 +58,13 @@ class StorageService(Service):
         self.events = KvEventPublisher(self.bus, f"storage-{config.node}")
         self.store = BlockStore(config.root, node=config.node, fsync_policy=config.fsync_policy)
         self.catalog = LruCatalog(config.capacity_bytes)
+        # reads queue on their own threads (their count is the read concurrency limit), so a busy read
+        # path never delays writes and a finished read job hands its thread on without the event loop
+        self._read_executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=config.max_concurrent_reads, thread_name_prefix=f"storage{config.node}-read"
+        )
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=config.max_concurrent_reads + config.max_concurrent_writes + 1,
-            thread_name_prefix=f"storage{config.node}-io",
+            max_workers=config.max_concurrent_writes + 1, thread_name_prefix=f"storage{config.node}-io"
         )
         self._segment: ShmSegment | None = None
         self._reader: BlockReader | None = None
@@ -125,7 +129,7 @@ class StorageService(Service):
             buffer_array=segment.array(),
             bucket=TokenBucket(c.bandwidth_bytes_per_s, c.burst_bytes),
             catalog=self.catalog,
-            executor=self._executor,
+            executor=self._read_executor,
             limits=ReaderLimits(
                 c.max_concurrent_reads,
                 c.max_pending_reads,
@@ -173,6 +177,7 @@ class StorageService(Service):
             self._reader.close()
         if self._writer is not None:
             self._writer.close()
+        self._read_executor.shutdown(wait=True, cancel_futures=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._reader = self._writer = None
         if self._segment is not None:
