@@ -51,13 +51,15 @@ async def test_request_deadline(nats_server: NatsServer, namespace: str) -> None
         await release.wait()
         return Ack()
 
-    await server_bus.subscribe(server_bus.subjects.abort, Abort, slow, max_concurrency=4)
-    await server_bus.flush()
-    with pytest.raises(DeadlineExceededError):
-        await client.request(server_bus.subjects.abort, Abort(request_id="r"), Ack, timeout_s=0.2)
-    release.set()
-    await server_bus.close()
-    await client.close()
+    try:
+        await server_bus.subscribe(server_bus.subjects.abort, Abort, slow, max_concurrency=4)
+        await server_bus.flush()
+        with pytest.raises(DeadlineExceededError):
+            await client.request(server_bus.subjects.abort, Abort(request_id="r"), Ack, timeout_s=0.2)
+    finally:  # a failure here must not leave connections open for a later test's garbage collection
+        release.set()
+        await server_bus.close()
+        await client.close()
 
 
 async def test_registry_expires_entries(nats_server: NatsServer, namespace: str) -> None:
