@@ -148,6 +148,14 @@ class Bus:
         return int(self.nc.max_payload)
 
     async def flush(self, timeout_s: float = 5.0) -> None:
+        """Return once the server has processed everything sent so far (a SUB included)."""
+        # nats-py's flush() writes its PING straight to the socket, ahead of commands still queued for its
+        # flusher task: a SUB made just before could reach the server after the PING, so another
+        # connection's request, sent on the PONG, met no responders (a CI flake). Drain that queue first.
+        try:
+            await asyncio.wait_for(self.nc._flush_pending(force_flush=True), timeout_s)
+        except TimeoutError as exc:
+            raise DeadlineExceededError(f"bus flush did not finish in {timeout_s:.1f} s") from exc
         await self.nc.flush(timeout=max(1, round(timeout_s)))
 
     async def close(self, timeout_s: float = 5.0) -> None:

@@ -211,7 +211,7 @@ async def garbage(ctx: Ctx) -> Row:
         for subject in subjects:
             for payload in junk:
                 await bus.nc.publish(subject, payload)
-        await bus.nc.flush()
+        await bus.flush()
         ends = list(await asyncio.gather(*tasks))
     finally:
         await bus.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -27,20 +28,58 @@ async def test_request_reply_and_errors(nats_server: NatsServer, namespace: str)
             raise InvalidRequestError("reason may not be bad", param="reason")
         return Ack(detail=msg.request_id)
 
-    await server_bus.subscribe(subject, Abort, handler)
-    await server_bus.flush()
-    assert (await client.request(subject, Abort(request_id="r1"), Ack)).detail == "r1"
-    with pytest.raises(InvalidRequestError, match="may not be bad"):
-        await client.request(subject, Abort(request_id="r1", reason="bad"), Ack)
-    # malformed payload: answered with an error, the subscription survives
-    raw = await client.nc.request(subject, b'{"kind": "abort"}', timeout=2)
-    err = decode(raw.data, ErrorReply)
-    assert err.code == "bad_message" and "unsupported version" in err.message
-    assert (await client.request(subject, Abort(request_id="r2"), Ack)).detail == "r2"
-    with pytest.raises(ServiceUnavailableError):
-        await client.request(server_bus.subjects.task("nobody"), Abort(request_id="x"), Ack)
-    await server_bus.close()
-    await client.close()
+    try:
+        await server_bus.subscribe(subject, Abort, handler)
+        await server_bus.flush()
+        assert (await client.request(subject, Abort(request_id="r1"), Ack)).detail == "r1"
+        with pytest.raises(InvalidRequestError, match="may not be bad"):
+            await client.request(subject, Abort(request_id="r1", reason="bad"), Ack)
+        # malformed payload: answered with an error, the subscription survives
+        raw = await client.nc.request(subject, b'{"kind": "abort"}', timeout=2)
+        err = decode(raw.data, ErrorReply)
+        assert err.code == "bad_message" and "unsupported version" in err.message
+        assert (await client.request(subject, Abort(request_id="r2"), Ack)).detail == "r2"
+        with pytest.raises(ServiceUnavailableError):
+            await client.request(server_bus.subjects.task("nobody"), Abort(request_id="x"), Ack)
+    finally:
+        await server_bus.close()
+        await client.close()
+
+
+async def test_flush_follows_the_subscription(nats_server: NatsServer, namespace: str) -> None:
+    """nats-py writes flush()'s PING ahead of a SUB still queued for its flusher task; Bus.flush must not, or
+    a request from another connection sent on the PONG can meet no responders. A recording TCP proxy between
+    the bus and the real server shows the order the server reads."""
+    sent = bytearray()
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, record: bool) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                if record:
+                    sent.extend(data)
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def on_client(c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+        s_reader, s_writer = await asyncio.open_connection(nats_server.host, nats_server.port)
+        await asyncio.gather(pipe(c_reader, s_writer, True), pipe(s_reader, c_writer, False))
+
+    proxy = await asyncio.start_server(on_client, "127.0.0.1", 0)
+    port = proxy.sockets[0].getsockname()[1]
+    bus = Bus(f"nats://127.0.0.1:{port}", namespace, name="ordered")
+    try:
+        await bus.connect()
+        start = len(sent)
+        await bus.subscribe(bus.subjects.abort, Abort, lambda msg, ctx: asyncio.sleep(0))
+        await bus.flush()
+        after = bytes(sent[start:])
+        assert b"SUB " in after and b"PING" in after, after
+        assert after.index(b"SUB ") < after.rindex(b"PING"), f"PING sent before the SUB: {after!r}"
+    finally:
+        await bus.close()
+        proxy.close()
+        await proxy.wait_closed()
 
 
 async def test_request_deadline(nats_server: NatsServer, namespace: str) -> None:
