@@ -212,8 +212,8 @@ def _route_plans(req: AutoRequest, snap: AutoSnapshot, p: AutoProfiles, d: Engin
         if holder == d.engine_id or holder not in loads or chunk <= 0:
             continue
         h = loads[holder]
-        holder_queue_s = _queue_s(p, h)
-        costs = terms.route_costs_s(p, chunk, req.prompt_tokens - chunk, req.output_tokens, holder_queue_s)
+        wait_s = terms.holder_wait_s(p, _queue_s(p, h), _prefill(p, h, 0, h.max_num_batched_tokens).ttft_s)
+        costs = terms.route_costs_s(p, chunk, req.prompt_tokens - chunk, req.output_tokens, wait_s)
         if costs is None:
             continue
         first, later = costs

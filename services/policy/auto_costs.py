@@ -159,11 +159,22 @@ def join_harm_s(
     return p.itl_weight * max(0.0, after - before) * num_decoding * output_tokens
 
 
+def holder_wait_s(p: AutoProfiles, holder_busy_s: float, holder_step_s: float) -> float:
+    """How long one routed exchange waits for a busy holder. The holder's model thread runs one step at a time
+    (a prefill chunk with its decode batch) and the exchanges queued meanwhile next, in one call: an exchange
+    waits for the step in progress at most, and a request's exchanges (one per layer, in order) together for
+    no longer than the holder's backlog, which drains as they wait."""
+    if p.route is None or holder_busy_s <= 0:
+        return 0.0
+    return min(holder_busy_s / p.route.shape.num_layers, holder_step_s)
+
+
 def route_costs_s(
     p: AutoProfiles, chunk_tokens: int, new_tokens: int, output_tokens: int, holder_queue_s: float
 ) -> tuple[float, float] | None:
     """(before the first token, all later decode steps together) of routing the query rows to the holder of a
-    `chunk_tokens` chunk, every layer (move the query); None without route constants."""
+    `chunk_tokens` chunk, every layer (move the query), each exchange of the prefill waiting `holder_queue_s`
+    (`holder_wait_s`); None without route constants."""
     if p.route is None or chunk_tokens <= 0:
         return None
     shape = p.route.shape

@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.policy.auto import AutoRequest, AutoSnapshot, EngineLoad, Plan, Source
-from services.policy.auto_costs import DEFAULT_MAX_NUM_BATCHED_TOKENS, AutoProfiles, route_costs_s
+from services.policy.auto_costs import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    AutoProfiles,
+    holder_wait_s,
+    route_costs_s,
+)
 from services.policy.snapshot import ROLE_COLOCATED, ROLE_DECODE, ROLE_PREFILL
 
 PD = "pd"  # prefill and decode engines; decode engines may also prefill (AMPD's local path)
@@ -157,9 +162,10 @@ class SimCluster:
         ready = self._ready(plan, req, now)
         hit = 0 if plan.source is Source.ROUTE else plan.hit_tokens
         miss = req.prompt_tokens - plan.hit_tokens
-        route = route_costs_s(self.p, plan.hit_tokens, miss, req.output_tokens, 0.0)
-        first_route, later_route = route if plan.source is Source.ROUTE and route else (0.0, 0.0)
         start = max(pe.free_at, ready)
+        wait = self._holder_wait(plan, start)
+        route = route_costs_s(self.p, plan.hit_tokens, miss, req.output_tokens, wait)
+        first_route, later_route = route if plan.source is Source.ROUTE and route else (0.0, 0.0)
         pe.free_at = self._prefill(pe, start, hit, max(1, miss), first_route)
         pe.queued.append((pe.free_at, miss))
         first = pe.free_at if pe is de else self._send(pe, pe.free_at, req.prompt_tokens - _kept(plan))
@@ -172,6 +178,16 @@ class SimCluster:
         if prefix_tokens > 0:
             self.prefilled.append((first, prefix_key, de.engine_id, min(prefix_tokens, req.prompt_tokens)))
         return Started(first, de.engine_id)
+
+    def _holder_wait(self, plan: Plan, start: float) -> float:
+        """A routed exchange waits for the step its holder is running (one step at a time, as the engine)."""
+        holder = self.engines.get(plan.source_at) if plan.source is Source.ROUTE else None
+        if holder is None:
+            return 0.0
+        budget, costs = self.shape.max_num_batched_tokens, self.p.costs
+        step = costs.prefill_s(0, budget, holder.role)
+        step += costs.decode_step_s(len(holder.decodes), 0, holder.role)
+        return holder_wait_s(self.p, holder.free_at - start, step)
 
     def _prefill(self, e: Engine, start: float, hit: int, miss: int, extra_s: float) -> float:
         """Prefill `miss` tokens over `hit` on `e` from `start` in chunks of its budget, each step next to the

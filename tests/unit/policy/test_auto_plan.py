@@ -82,13 +82,20 @@ def test_routing_the_query_to_a_holder_beats_recomputing_a_long_unstored_prefix(
     assert decision is not None
     chosen = decision.chosen
     assert (chosen.source, chosen.decode_engine, chosen.source_at) == (Source.ROUTE, "e1", "h")
-    # a holder with a long prefill queue delays every exchange: recompute instead
+    # a holder with a long prefill queue runs it a step (a 2,048-token chunk and its 64 decodes) at a time and
+    # the queued exchanges between steps: each of the 2 layers' exchanges waits for one step, not the queue
     busy = colo("h", num_decoding=64, queued_prefill_tokens=50_000)
-    avoided = plan(req, AutoSnapshot((busy, colo("e1"))), P)
+    routed = plan(req, AutoSnapshot((busy, colo("e1"))), P)
+    assert routed is not None and routed.chosen.label == "local/route"
+    step = P.costs.prefill_s(0, 2048, "colocated") + P.costs.decode_step_s(64, 0, "colocated")
+    assert routed.chosen.ttft_s == pytest.approx(chosen.ttft_s + 2 * step)
+    # a short backlog delays the request's exchanges by itself, in all
+    short = plan(req, AutoSnapshot((colo("h", num_decoding=64, queued_prefill_s=0.001), colo("e1"))), P)
+    assert short is not None and short.chosen.ttft_s == pytest.approx(chosen.ttft_s + 0.001)
+    # one step the length of the whole queue (a budget that large) holds every exchange: recompute instead
+    whole = colo("h", num_decoding=64, queued_prefill_tokens=50_000, max_num_batched_tokens=50_000)
+    avoided = plan(req, AutoSnapshot((whole, colo("e1"))), P)
     assert avoided is not None and avoided.chosen.label == "local/recompute"
-    # a queue the engine reports in seconds is taken as it is
-    known = plan(req, AutoSnapshot((colo("h", num_decoding=64, queued_prefill_s=30.0), colo("e1"))), P)
-    assert known is not None and known.chosen.label == "local/recompute"
 
 
 def test_the_cheapest_plan_meeting_the_slo_else_the_one_missing_it_least() -> None:

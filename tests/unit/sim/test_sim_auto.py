@@ -107,3 +107,24 @@ def test_an_engine_prefills_in_chunks_while_its_decodes_keep_stepping() -> None:
     # the estimator, seeing both decodes running, prices three steps of the two-decode batch
     priced = next(x for x in enumerate_plans(req, snapshot, cluster.p) if x.source is Source.RECOMPUTE)
     assert priced.ttft_s == pytest.approx(sum(chunks) + 3 * both)
+
+
+def test_a_routed_exchange_waits_for_the_step_its_holder_is_running() -> None:
+    """The holder's model thread runs one step at a time and the queued exchanges next: each layer's
+    exchange of a routed prefill waits for one step of a busy holder, all of them at most its backlog."""
+    cluster = SimCluster(ClusterShape(topology=COLOCATED, noise=0.0), gpu_profiles(), 0, HOLDER_KEY)
+    cluster.pin(HOLDER_KEY, 30_000)
+    holder, costs = cluster.holder, cluster.p.costs
+    requesters = iter(e for e in cluster.engines if e != holder.engine_id)  # an idle one for each request
+
+    def first_token(holder_free_at: float, rid: str) -> float:
+        holder.free_at = holder_free_at
+        other = next(requesters)
+        routed = Plan(LOCAL, Source.ROUTE, other, other, 30_000, holder.engine_id, 0.0, 0.0)
+        return cluster.execute(routed, cluster.request(rid, HOLDER_KEY, 30_200, 4, None), 0.0).first_token_s
+
+    idle = first_token(0.0, "idle")
+    step = costs.prefill_s(0, cluster.shape.max_num_batched_tokens, "colocated")
+    layers = cluster.p.route.shape.num_layers if cluster.p.route is not None else 0
+    assert first_token(100.0, "busy") - idle == pytest.approx(layers * step)
+    assert first_token(0.004, "short") - idle == pytest.approx(0.004)
