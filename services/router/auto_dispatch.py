@@ -27,6 +27,7 @@ token (plan, engines, predicted TTFT and harm, runner-up, measured TTFT) and
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import statistics
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from services.policy.ampd_costs import STORAGE, CostModel, linear_cost_model
-from services.policy.auto import AUTO, AutoRequest, AutoSnapshot, Decision, EngineLoad, Source, plan
+from services.policy.auto import AUTO, AutoRequest, AutoSnapshot, Decision, EngineLoad, Plan, Source, plan
 from services.policy.auto_calibration import TtftCalibration
 from services.policy.auto_costs import DEFAULT_MAX_NUM_BATCHED_TOKENS, POOL, AutoProfiles
 from services.policy.snapshot import ROLE_COLOCATED, EngineSnapshot
@@ -119,6 +120,7 @@ class AutoDispatch(ColocatedDispatch):
         self.ledger = PlanLedger()
         self.calibration = TtftCalibration()  # learned: overhead outside the model, the machine's speed now
         self._picked: dict[str, Decision] = {}
+        self._reserved: dict[str, str] = {}  # request -> prefill engine, decided and not yet sent
         self._open: dict[str, _Open] = {}
         self._engines_of: dict[str, tuple[str, str]] = {}  # request -> (prefill, decode) until it leaves
         self._request_of: dict[str, str] = {}  # a retried dispatch's id for the engines -> its request
@@ -128,11 +130,35 @@ class AutoDispatch(ColocatedDispatch):
     def _pick(
         self, engines: list[EngineSnapshot], plan_: RequestPlan, locality: Mapping[str, int]
     ) -> str | None:
-        decision = self.decide(engines, plan_, locality)
+        decision = self._decide_reserving(plan_.request_id, engines, plan_, locality)
         if decision is None:
             return None
         self._picked[plan_.request_id] = decision
         return decision.chosen.decode_engine
+
+    def _decide_reserving(
+        self, request_id: str, engines: list[EngineSnapshot], plan_: RequestPlan, locality: Mapping[str, int]
+    ) -> Decision | None:
+        """Decide, and put the plan in the ledger at once: requests decided while this one is still being
+        sent (a burst, all decided before the first ack) see its engine busy, else they all pick the engine
+        that looked cheapest to the first. A later decision for the same request (a retry) replaces it."""
+        self._unreserve(request_id)
+        decision = self.decide(engines, plan_, locality)
+        if decision is not None:
+            chosen = decision.chosen
+            self.ledger.add(chosen.prefill_engine, request_id, time.monotonic() + self._raw_s(chosen))
+            self._reserved[request_id] = chosen.prefill_engine
+        return decision
+
+    def _unreserve(self, request_id: str) -> None:
+        engine_id = self._reserved.pop(request_id, None)
+        if engine_id is not None:
+            self.ledger.drop(engine_id, request_id)
+
+    def _raw_s(self, chosen: Plan) -> float:
+        """The chosen plan's predicted TTFT at the machine's learned speed, without the fixed overhead."""
+        cal = self.calibration
+        return max(0.0, chosen.ttft_s - cal.overhead_s)
 
     def decide(
         self, engines: list[EngineSnapshot], plan_: RequestPlan, locality: Mapping[str, int]
@@ -256,11 +282,19 @@ class AutoDispatch(ColocatedDispatch):
     ) -> dict[str, float]:
         started = time.monotonic()
         if has_pd_engines(self.engines):
-            sent = await dispatch_pd(self, self.decide, plan, deadline, streams, locality)
+            decide = functools.partial(self._decide_reserving, plan.request_id)
+            try:
+                sent = await dispatch_pd(self, decide, plan, deadline, streams, locality)
+            except BaseException:
+                self._unreserve(plan.request_id)
+                raise
             self._opened(plan.request_id, sent.decision, started, sent.task_id)
             return sent.timings
         try:
             timings = await super().dispatch(plan, deadline, streams, locality)
+        except BaseException:
+            self._unreserve(plan.request_id)
+            raise
         finally:
             decision = self._picked.pop(plan.request_id, None)
         if decision is not None:
@@ -272,9 +306,9 @@ class AutoDispatch(ColocatedDispatch):
         task_id = task_id or request_id
         chosen, runner = decision.chosen, decision.runner_up
         metrics.PLANS.labels(chosen.label).inc()
-        cal = self.calibration
-        raw_s = max(0.0, chosen.ttft_s - cal.overhead_s) / cal.scale  # the profile's own prediction
-        self.ledger.add(chosen.prefill_engine, request_id, started + cal.scale * raw_s)
+        self._reserved.pop(request_id, None)  # the reservation becomes the open plan
+        self.ledger.add(chosen.prefill_engine, request_id, started + self._raw_s(chosen))
+        raw_s = self._raw_s(chosen) / self.calibration.scale  # the profile's own prediction
         self._engines_of[request_id] = (chosen.prefill_engine, chosen.decode_engine)
         attributes = {
             "plan": chosen.label,

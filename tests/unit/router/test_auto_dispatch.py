@@ -177,3 +177,24 @@ def test_each_engine_is_priced_with_the_prefill_budget_its_load_report_states() 
     snap = auto._snapshot(auto.engines.engine_snapshots(64, ("colocated",)), {})
     budgets = {e.engine_id: e.max_num_batched_tokens for e in snap.engines}
     assert budgets == {"e0": 512, "e1": DEFAULT_MAX_NUM_BATCHED_TOKENS}  # e1 says nothing: the default
+
+
+async def test_a_burst_decided_before_any_is_sent_spreads_and_a_failed_send_drops_its_reservation() -> None:
+    """Requests decided while earlier ones still wait for their engine's ack see those plans in the ledger
+    (else a burst all lands on the engine that looked cheapest to its first request)."""
+    d = dispatch()
+    snapshots = list(d.engines.engine_snapshots(64, ("colocated",)))
+    locality = {"store": 32, "dram:e1": 32}  # e1 holds the prefix, e0 reads it from storage
+    picks = [d._pick(snapshots, plan(f"b{i}"), locality) for i in range(40)]
+    assert picks[0] == "e1" and "e0" in picks, picks
+    first, second = d._picked["b0"].chosen, d._picked["b1"].chosen
+    assert second.decode_engine == "e1" and second.ttft_s == pytest.approx(2 * first.ttft_s, abs=1e-3)
+    # a decision taken again for the same request (a retry) replaces its reservation
+    busy = d.ledger.busy_s("e1", time.monotonic())
+    d._pick(snapshots, plan("b0"), locality)
+    assert d.ledger.busy_s("e1", time.monotonic()) <= busy
+    # a dispatch that fails after deciding (injected: this table has no bus to send on) leaves no reservation
+    fresh = dispatch()
+    with pytest.raises(AttributeError):
+        await fresh.dispatch(plan("f"), time.monotonic() + 5, None, locality)  # type: ignore[arg-type]
+    assert fresh.ledger.busy_s("e1", time.monotonic()) == 0.0 and not fresh._reserved
