@@ -37,7 +37,7 @@ async def wait_ready(
         for p in procs:
             assert p.proc.poll() is None, p.log()
         assert loop.time() < deadline, f"not ready: {ids - ready.keys()}"
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)
 
 
 async def router_sees(url: str, num_engines: int) -> bool:

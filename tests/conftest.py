@@ -58,7 +58,7 @@ def smollm2_reference() -> SmolLM2Reference:
 # Clusters that several modules share: each is started by the first test that uses it and stopped right
 # after the last one (counted once the session's tests are collected), not idle to the end of the session
 # (an idle cluster takes 2-4 % of a core: its load reports, heartbeats and the index's event feed).
-SHARED_CLUSTERS = ("smollm2_cluster", "cold_cluster")
+SHARED_CLUSTERS = ("smollm2_cluster", "cold_cluster", "kv_store_cluster")
 _running: dict[str, UpProcess] = {}
 _users: collections.Counter[str] = collections.Counter()  # shared cluster -> tests left that use it
 
@@ -103,6 +103,19 @@ def smollm2_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProc
 def cold_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     """`kvpath up --no-kv-store` on the tiny model: every turn recomputed, the reference that tests of KV
     paths compare tokens with, and a plain OpenAI endpoint (about 4 s a start). It stores no KV, so what one
-    test sends changes nothing that another asserts."""
-    with shared_cluster("cold_cluster", UpProcess(tmp_path_factory.mktemp("cold"), "--no-kv-store")) as up:
+    test sends changes nothing that another asserts. Its router refuses max_tokens above 512 (the API tests
+    check that limit); every user asks for an explicit max_tokens of at most 512, which it leaves as is."""
+    args = ("--no-kv-store", "--router-arg=--max-tokens-limit 512")
+    with shared_cluster("cold_cluster", UpProcess(tmp_path_factory.mktemp("cold"), *args)) as up:
+        yield up
+
+
+@pytest.fixture(scope="session")
+def kv_store_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    """`kvpath up --kv-root DIR` on the tiny model (one colocated engine, storage, index), for the load
+    generator's replays and the KV-reuse tests. Each of them stores prompts of its own (fresh content salts,
+    seeded random tokens), so the blocks another test left in the store never match what one asserts."""
+    tmp = tmp_path_factory.mktemp("kv")
+    with shared_cluster("kv_store_cluster", UpProcess(tmp, "--kv-root", str(tmp / "store"))) as up:
+        up.kv_root = tmp / "store"
         yield up

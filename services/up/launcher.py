@@ -247,8 +247,8 @@ class LocalCluster:
                     if time.monotonic() > deadline:
                         missing = sorted(want - ready.keys())
                         raise ServiceUnavailableError(f"services not ready in time: {', '.join(missing)}")
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._stop.wait(), 0.2)
+                    with contextlib.suppress(TimeoutError):  # short steps: readiness is seen soon after it
+                        await asyncio.wait_for(self._stop.wait(), 0.05)
                     if self._stop.is_set():
                         raise ServiceUnavailableError("interrupted during startup")
         finally:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +17,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    up = UpProcess(tmp_path_factory.mktemp("up"), "--no-kv-store", "--router-arg=--max-tokens-limit 512")
-    yield up
-    assert up.stop() == 0, up.log()
+def cluster(cold_cluster: UpProcess) -> UpProcess:
+    """`kvpath up --no-kv-store --router-arg=--max-tokens-limit 512`, shared (tests/conftest.py)."""
+    return cold_cluster
 
 
 @pytest.fixture

@@ -100,7 +100,9 @@ async def test_read_side_node_death_mid_read_is_dispatched_again_and_the_rest_re
     root = str(tmp_path / "store")
     s.start("index", "index-0")
     s.start("storage", "storage-0", "--node", "0", "--root", root)
-    nodes = {}  # decode nodes read slowly, so one can die in the middle of a read
+    # decode nodes read slowly, so one can die in the middle of a read: 6 blocks take 1.6 s at 500 kB/s (the
+    # kill lands within ~50 ms of the read starting); the survivor reads them twice more at that rate
+    nodes = {}
     for node, de in ((1, "de-a"), (2, "de-b")):
         storage = s.start(
             "storage",
@@ -110,7 +112,7 @@ async def test_read_side_node_death_mid_read_is_dispatched_again_and_the_rest_re
             "--root",
             root,
             "--bandwidth-bytes-per-s",
-            "250000",
+            "500000",
         )
         nodes[node] = (storage, s.start("engine", de, "--role", "decode", "--node", str(node)), de)
     s.start("engine", "pe-0", "--role", "prefill", "--node", "0")

@@ -84,7 +84,9 @@ async def test_an_engine_killed_before_the_first_token_costs_the_client_nothing(
 
     for engine_id in engines:
         await bus.subscribe(bus.subjects.load("colocated", engine_id), LoadReport, on_report)
-    prompt = [(7 * i) % 240 + 3 for i in range(6000)]
+    # long enough that its prefill (~1.3 s on CPU; it runs three times: taken, sent again, the check) far
+    # outlasts the load report (0.1 s) that tells which engine took it: the kill lands before its first token
+    prompt = [(7 * i) % 240 + 3 for i in range(4000)]
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
         request = asyncio.ensure_future(_complete(http, url, body))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +20,9 @@ BLOCK = 64
 
 
 @pytest.fixture(scope="module")
-def kv_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    tmp = tmp_path_factory.mktemp("kv")
-    up = UpProcess(tmp, "--kv-root", str(tmp / "store"))
-    up.kv_root = tmp / "store"
-    yield up
-    assert up.stop() == 0, up.log()
+def kv_cluster(kv_store_cluster: UpProcess) -> UpProcess:
+    """`kvpath up --kv-root DIR`, shared with the load generator's tests (tests/conftest.py)."""
+    return kv_store_cluster
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -27,11 +26,9 @@ VOCAB = "256"  # the tiny model's byte ids (its special tokens sit above 255)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    tmp = tmp_path_factory.mktemp("loadgen-up")
-    up = UpProcess(tmp, "--kv-root", str(tmp / "store"))
-    yield up
-    assert up.stop() == 0, up.log()
+def cluster(kv_store_cluster: UpProcess) -> UpProcess:
+    """`kvpath up --kv-root DIR`, shared with the KV-reuse tests (tests/conftest.py)."""
+    return kv_store_cluster
 
 
 def run_loadgen(*args: str, timeout_s: float = 100.0) -> subprocess.CompletedProcess[str]:
