@@ -17,6 +17,7 @@ A store that is down, slow or full is a miss or a skipped write, counted, never 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -90,6 +91,7 @@ class RemoteTier:
         client.sender.register_memory(self.arena)  # rdma: uploads from any slot without per-op MRs
         self._reads: dict[int, RemoteRead] = {}
         self._lease_ids = itertools.count(1)
+        self._fills: dict[int, asyncio.Future[None]] = {}  # key -> the GET in flight that fills it
         self._background = Background()
         self._quarantine: set[asyncio.TimerHandle] = set()
         metrics.REMOTE_CACHE_USED_BYTES.set_function(lambda: len(self.cache) * self.chunk_bytes)
@@ -105,7 +107,7 @@ class RemoteTier:
         keys = chunk_keys(seq.block_hashes, num_blocks, self.chunk_blocks)
         if not keys:
             return None
-        num_local = self.cache.ready_prefix(keys)
+        num_local = await self._ready_prefix(seq, keys)
         entries = self.cache.pin(keys[:num_local])
         if num_local < len(keys):
             entries += await self._fetch(seq, keys, num_local)
@@ -118,13 +120,41 @@ class RemoteTier:
         self._reads[read.lease_id] = read
         return read
 
+    async def _ready_prefix(self, seq: Sequence, keys: list[int]) -> int:
+        """How many leading keys are READY here, once the GETs other requests have in flight for the next
+        ones have landed (within this request's deadline): a request for a document another is fetching
+        waits for that GET instead of recomputing what it brings (popular documents are asked for by several
+        requests at once)."""
+        num_ready = self.cache.ready_prefix(keys)
+        while num_ready < len(keys) and (fill := self._fills.get(keys[num_ready])) is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(fill), self._timeout_s(seq))
+            if not fill.done():
+                break
+            num_ready = self.cache.ready_prefix(keys)
+        return num_ready
+
+    def _timeout_s(self, seq: Sequence) -> float:
+        return min(self.client.timeout_s, max(0.01, seq.deadline_unix_s - time.time()))
+
     async def _fetch(self, seq: Sequence, keys: list[int], first: int) -> list[CacheEntry]:
         """GET keys[first:] (as far as the local cache has room) into fresh cache slots; the entries the
-        store had, published and pinned."""
+        store had, published and pinned. Requests reading the same keys meanwhile wait for it."""
         wanted = [e for _, e in self._reserve(seq, range(first, len(keys)), stop_at_held=True)]
         if not wanted:
             return []
-        timeout_s = min(self.client.timeout_s, max(0.01, seq.deadline_unix_s - time.time()))
+        fill: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._fills.update((e.key, fill) for e in wanted)
+        try:
+            return await self._get(seq, wanted)
+        finally:
+            for e in wanted:
+                if self._fills.get(e.key) is fill:
+                    del self._fills[e.key]
+            fill.set_result(None)
+
+    async def _get(self, seq: Sequence, wanted: list[CacheEntry]) -> list[CacheEntry]:
+        timeout_s = self._timeout_s(seq)
         target = RemoteKvTarget(
             engine_id=self.engine_id,
             endpoint=self.receiver.endpoint(),

@@ -35,6 +35,8 @@ class FakeStore:
         self.sender = SimpleNamespace(register_memory=lambda data: None)
         self.down: KvpathError | None = None
         self.hangs = False
+        self.delay_s = 0.0  # a GET that takes this long, then lands
+        self.num_gets = 0
         self.failures: list[str] = []
 
     async def link(self) -> str:
@@ -57,9 +59,11 @@ class FakeStore:
     async def get(
         self, link: str, request_id: str, keys: list[int], target: RemoteKvTarget, timeout_s: float
     ) -> RemoteKvGetReply:
+        self.num_gets += 1
         if self.hangs:
             await asyncio.sleep(timeout_s)
             raise DeadlineExceededError("no reply")
+        await asyncio.sleep(self.delay_s)
         offsets = self.table.pin_prefix(keys)
         arena = self.arenas[target.engine_id]
         for src, dst in zip(offsets, target.offsets, strict=False):
@@ -249,3 +253,32 @@ def test_a_cache_smaller_than_a_super_block_is_a_config_error() -> None:
             chunk_blocks=CB,
             cache_bytes=CHUNK_BYTES - 1,
         )
+
+
+async def test_a_read_of_super_blocks_another_request_is_fetching_waits_for_that_get() -> None:
+    """Two requests for the same document on one engine: the second waits for the first's GET and pins what
+    it brought, instead of counting those super blocks as misses (and recomputing them)."""
+    store = FakeStore()
+    kv_a, kv_b = FakeKv(12, seed=1), FakeKv(12, seed=2)
+    a, b = tier(store, kv_a, "engine-a"), tier(store, kv_b, "engine-b")
+    src_ids = [3, 1, 4, 0, 5, 9, 2, 6, 8]
+    done = a.write(sequence(list(range(37)), src_ids), 0, 9, 1)
+    assert done is not None
+    await done
+    store.delay_s = 0.05
+    first, second = await asyncio.gather(
+        b.read(sequence(list(range(37)), [11, 10, 7, 0, 1, 2, 3, 4]), 9),
+        b.read(sequence(list(range(37)), [0, 1, 2, 3, 4, 5, 6, 7]), 9),
+    )
+    assert first is not None and second is not None
+    assert (first.num_blocks, second.num_blocks, store.num_gets) == (8, 8, 1)
+    import_all(b, second, [0, 1, 2, 3, 4, 5, 6, 7])
+    assert np.array_equal(kv_b.blocks[:8], kv_a.blocks[src_ids[:8]])
+    # a GET that never lands holds the other reader no longer than its own deadline: then it is a miss
+    store.hangs = True
+    c = tier(store, FakeKv(12), "engine-c")
+    slow, waiting = await asyncio.gather(
+        c.read(sequence(list(range(37)), list(range(8))), 9),
+        c.read(sequence(list(range(37)), list(range(8))), 9),
+    )
+    assert slow is None and waiting is None
