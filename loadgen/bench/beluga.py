@@ -47,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="cpu",
         help="the cache the load part fills: cpu, cuda (layer by layer, as a GPU engine imports), auto",
     )
+    p.add_argument("--model", default=d.model, help="serving: the model (smollm2, tiny, a checkpoint)")
     p.add_argument("--docs", type=int, default=d.docs, help="serving: shared documents")
     p.add_argument("--doc-tokens", type=int, default=d.doc_tokens, help="serving: tokens per document")
     p.add_argument("--question-tokens", type=int, default=d.question_tokens, help="serving: per question")
@@ -58,7 +59,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--zipf", type=float, default=d.zipf, help="serving: document popularity exponent")
     p.add_argument("--engines", type=int, default=d.engines, help="serving: colocated engines")
     p.add_argument(
-        "--remote-cache-bytes", type=int, default=d.remote_cache_bytes, help="serving: baseline's local DRAM"
+        "--remote-cache-bytes",
+        type=int,
+        default=d.remote_cache_bytes,
+        help="serving: a baseline engine's local DRAM cache (0: a sixth of the documents' KV)",
+    )
+    p.add_argument(
+        "--pool-bytes", type=int, default=d.pool_bytes, help="serving: pool and store (0: 1.5x documents' KV)"
+    )
+    p.add_argument(
+        "--kv-cache-bytes", type=int, default=d.kv_cache_bytes, help="serving: engine KV cache (0: default)"
     )
     p.add_argument("--up-arg", action="append", default=[], help="extra `kvpath up` flag for both (repeat)")
     p.add_argument("--seed", type=int, default=0)
@@ -132,6 +142,7 @@ def _serve(args: argparse.Namespace) -> dict[str, Any]:
     from loadgen.bench.beluga_serve import ServeOptions, run_serving
 
     opts = ServeOptions(
+        model=args.model,
         engines=args.engines,
         docs=args.docs,
         doc_tokens=args.doc_tokens,
@@ -143,6 +154,8 @@ def _serve(args: argparse.Namespace) -> dict[str, Any]:
         duration_s=args.duration,
         zipf=args.zipf,
         remote_cache_bytes=args.remote_cache_bytes,
+        pool_bytes=args.pool_bytes,
+        kv_cache_bytes=args.kv_cache_bytes,
         seed=args.seed,
         up_args=list(args.up_arg),
     )

@@ -10,6 +10,11 @@ cache-aware placement). The same workload runs on both, one after the other:
              arrivals on both tiers): Fig. 11's shape, TTFT against load;
   peak       `clients` closed-loop clients for `duration_s`: peak throughput (QPS), as Table 5.
 Each question is about a document drawn with Zipf popularity (`zipf`: a few hot documents, a long tail).
+Prompts are token ids drawn from the model's ordinary vocabulary (never its control tokens).
+Sizing (0 = derived from the working set, every document's KV in the model's fp32 KV on the CPU): the pool
+and the remote store get the same capacity (the paper's fairness rule), 1.5x the working set, so the hit
+run finds every document in either; each baseline engine's local DRAM cache holds a sixth of the working set
+(a shared pool's working set outgrows one host's DRAM); each engine's paged cache (HBM) is `kv_cache_bytes`.
 Reported per phase: TTFT mean/p99, the KV-load stage (the engine's `read`, fetching the hit prefix into
 reach, plus `import`, copying it into the cache, from the router's stage histogram over that phase alone),
 QPS, the cached-token share.
@@ -18,6 +23,8 @@ QPS, the cached-token share.
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import random
 import statistics
 import time
@@ -37,25 +44,31 @@ from loadgen.sessions import CallRequest
 TIERS = ("pool", "remote")
 KV_LOAD_STAGES = ("read", "import")
 STAGES = (*KV_LOAD_STAGES, "prefill")
-_MIN_TOKEN_ID, _VOCAB = 3, 250  # token ids the `tiny` model's byte vocabulary takes as plain text
+_BYTE_MODEL_TOKENS = (3, 250)  # token ids the embedded models' byte vocabulary takes as plain text
+POOL_SHARE = 1.5  # pool (and remote store) capacity / working set: documents plus the questions' blocks
+REMOTE_CACHE_SHARE = 1 / 6  # a baseline engine's local DRAM cache / working set
 
 
 @dataclass(slots=True)
 class ServeOptions:
-    model: str = "tiny"
+    model: str = "smollm2"
     engines: int = 2
-    docs: int = 48
-    doc_tokens: int = 6000
+    docs: int = 16
+    # documents of arbitrary length leave 31.5 tokens on average after their last whole 64-token block, which
+    # no tier can hit (computed with the question on both): 6,048 tokens leave 32
+    doc_tokens: int = 6048
     question_tokens: int = 32
     max_tokens: int = 8
-    rates: tuple[float, ...] = (2.0, 4.0, 8.0)  # requests/s of the open-loop sweep
-    rate_duration_s: float = 15.0  # arrivals per rate
-    clients: int = 8  # closed-loop clients of the peak run (and populate's concurrency)
-    duration_s: float = 30.0  # of the peak run
+    # requests/s of the open-loop sweep, up to about the two engines' capacity on two cores (a SmolLM2 hit
+    # request costs ~1 s of compute: its last 64 tokens over 6k positions, then 7 decode steps)
+    rates: tuple[float, ...] = (0.3, 0.6, 0.9)
+    rate_duration_s: float = 30.0  # arrivals per rate
+    clients: int = 4  # closed-loop clients of the peak run
+    duration_s: float = 40.0  # of the peak run
     zipf: float = 1.0
-    # the baseline engines' local DRAM cache: the documents' KV (48 x 12 MB) is six times what one holds, as a
-    # shared pool's working set outgrows any one host's DRAM
-    remote_cache_bytes: int = 96 << 20
+    pool_bytes: int = 0  # pool and remote store capacity (0: POOL_SHARE x the working set)
+    remote_cache_bytes: int = 0  # a baseline engine's local DRAM cache (0: REMOTE_CACHE_SHARE x working set)
+    kv_cache_bytes: int = 1 << 30  # each engine's paged KV cache (0: the engine's default)
     seed: int = 0
     up_args: list[str] = field(default_factory=list)
 
@@ -66,6 +79,27 @@ class ServeOptions:
             raise ValueError("clients must be >= 1 and the durations > 0")
         if any(r <= 0 for r in self.rates):
             raise ValueError(f"request rates must be > 0, got {self.rates}")
+        if min(self.pool_bytes, self.remote_cache_bytes, self.kv_cache_bytes) < 0:
+            raise ValueError("pool, remote cache and KV cache bytes must be >= 0 (0: derived)")
+
+    def working_set_bytes(self) -> int:
+        """Every document's KV, at the model's KV bytes per token (fp32, the CPU engines' dtype)."""
+        from gpu.model_spec import load_model_spec
+
+        spec = load_model_spec(self.model)
+        return self.docs * self.doc_tokens * spec.num_layers * spec.kv_bytes_per_token_layer("float32")
+
+    def cluster_args(self, tier: str) -> list[str]:
+        """`kvpath up` flags of a tier's cluster: its sizes, then the caller's extra flags."""
+        working_set = self.working_set_bytes()
+        args = ["--model", self.model, "--engines", str(self.engines), "--kv-tier", tier]
+        args += ["--pool-bytes", str(self.pool_bytes or int(POOL_SHARE * working_set))]
+        if self.kv_cache_bytes:
+            args.append(f"--engine-arg=--kv-cache-bytes {self.kv_cache_bytes}")
+        if tier == "remote":
+            cache = self.remote_cache_bytes or int(REMOTE_CACHE_SHARE * working_set)
+            args.append(f"--engine-arg=--remote-cache-bytes {cache}")
+        return [*args, *self.up_args]
 
 
 @dataclass(slots=True)
@@ -107,9 +141,29 @@ def run_serving(opts: ServeOptions, work: Path) -> list[ServeResult]:
     return [asyncio.run(_run_tier(tier, opts, work / tier)) for tier in TIERS]
 
 
+@functools.cache
+def token_ids(model: str) -> np.ndarray:
+    """The ids prompts are drawn from: the model's vocabulary less its special (control) tokens, which a
+    real document never holds; the embedded models' printable bytes."""
+    from gpu.model_spec import EMBEDDED_MODELS, load_model_spec
+    from gpu.tokenizer import load_tokenizer
+
+    if model in EMBEDDED_MODELS:
+        return np.arange(*_BYTE_MODEL_TOKENS, dtype=np.int64)
+    spec = load_model_spec(model)
+    added = json.loads(load_tokenizer(spec.model_dir).backend_json()).get("added_tokens", [])
+    special = [token["id"] for token in added if token.get("special")]
+    return np.setdiff1d(np.arange(spec.vocab_size, dtype=np.int64), np.asarray(special, dtype=np.int64))
+
+
 def _documents(opts: ServeOptions) -> list[list[int]]:
     rng = np.random.default_rng(opts.seed)
-    return [rng.integers(_MIN_TOKEN_ID, _VOCAB, opts.doc_tokens).tolist() for _ in range(opts.docs)]
+    ids = token_ids(opts.model)
+    return [ids[rng.integers(0, len(ids), opts.doc_tokens)].tolist() for _ in range(opts.docs)]
+
+
+def _question(rng: random.Random, ids: np.ndarray, n: int) -> list[int]:
+    return [int(ids[rng.randrange(len(ids))]) for _ in range(n)]
 
 
 class _Questions:
@@ -127,7 +181,7 @@ class _Questions:
 
     def next(self, docs: list[list[int]]) -> CallRequest:
         doc_id = self.order[self.rng.choices(range(len(self.order)), self.weights)[0]]
-        question = [self.rng.randrange(_MIN_TOKEN_ID, _VOCAB) for _ in range(self.opts.question_tokens)]
+        question = _question(self.rng, token_ids(self.opts.model), self.opts.question_tokens)
         self.count += 1
         return _request(doc_id, docs[doc_id], question, self.opts, self.count)
 
@@ -136,10 +190,7 @@ async def _run_tier(tier: str, opts: ServeOptions, work: Path) -> ServeResult:
     from services.up.process import UpProcess
 
     await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
-    args = ["--model", opts.model, "--engines", str(opts.engines), "--kv-tier", tier, *opts.up_args]
-    if tier == "remote" and opts.remote_cache_bytes:
-        args.append(f"--engine-arg=--remote-cache-bytes {opts.remote_cache_bytes}")
-    up = await asyncio.to_thread(UpProcess, work, *args)
+    up = await asyncio.to_thread(UpProcess, work, *opts.cluster_args(tier), timeout_s=600.0)
     try:
         return await _drive(tier, opts, up.url)
     finally:
@@ -240,19 +291,20 @@ def _request(doc_id: int, doc: list[int], question: list[int], opts: ServeOption
 
 
 async def _populate(client: OpenAIClient, docs: list[list[int]], opts: ServeOptions) -> None:
-    """Every document once, `clients` at a time; any failure ends the bench (the tier would be half full)."""
+    """Every document once, one per engine at a time (a long prefill each); any failure ends the bench (the
+    tier would be half full)."""
     queue = list(enumerate(docs))
     rng = random.Random(opts.seed + 2)
 
     async def worker() -> None:
         while queue:
             doc_id, doc = queue.pop()
-            question = [rng.randrange(_MIN_TOKEN_ID, _VOCAB) for _ in range(opts.question_tokens)]
+            question = _question(rng, token_ids(opts.model), opts.question_tokens)
             record, _ = await client.send(_request(doc_id, doc, question, opts, 0), client.now())
             if not record.ok:
                 raise RuntimeError(f"populate request for document {doc_id} failed: {record.error}")
 
-    await asyncio.gather(*(worker() for _ in range(opts.clients)))
+    await asyncio.gather(*(worker() for _ in range(opts.engines)))
 
 
 async def _open_loop(
