@@ -146,7 +146,7 @@ class AutoDispatch(ColocatedDispatch):
         decision = self.decide(engines, plan_, locality)
         if decision is not None:
             chosen = decision.chosen
-            self.ledger.add(chosen.prefill_engine, request_id, time.monotonic() + self._raw_s(chosen))
+            self.ledger.add(chosen.prefill_engine, request_id, time.monotonic() + self._model_s(chosen))
             self._reserved[request_id] = chosen.prefill_engine
         return decision
 
@@ -155,8 +155,8 @@ class AutoDispatch(ColocatedDispatch):
         if engine_id is not None:
             self.ledger.drop(engine_id, request_id)
 
-    def _raw_s(self, chosen: Plan) -> float:
-        """The chosen plan's predicted TTFT at the machine's learned speed, without the fixed overhead."""
+    def _model_s(self, chosen: Plan) -> float:
+        """The chosen plan's predicted TTFT less the learned fixed overhead: its engine's time on it."""
         cal = self.calibration
         return max(0.0, chosen.ttft_s - cal.overhead_s)
 
@@ -307,8 +307,8 @@ class AutoDispatch(ColocatedDispatch):
         chosen, runner = decision.chosen, decision.runner_up
         metrics.PLANS.labels(chosen.label).inc()
         self._reserved.pop(request_id, None)  # the reservation becomes the open plan
-        self.ledger.add(chosen.prefill_engine, request_id, started + self._raw_s(chosen))
-        raw_s = self._raw_s(chosen) / self.calibration.scale  # the profile's own prediction
+        self.ledger.add(chosen.prefill_engine, request_id, started + self._model_s(chosen))
+        raw_s = self._model_s(chosen) / self.calibration.scale  # the profile's own prediction
         self._engines_of[request_id] = (chosen.prefill_engine, chosen.decode_engine)
         attributes = {
             "plan": chosen.label,
