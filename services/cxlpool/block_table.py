@@ -170,10 +170,16 @@ class BlockTable:
     def commit(self, hashes: Sequence[int], checksums: Sequence[int], owner: str) -> list[int]:
         """Publish `owner`'s allocated blocks; returns those it committed (others' or unknown: skipped).
         The writer is done copying: slots of its expired allocations of these hashes leave quarantine."""
-        committed: list[int] = []
+        generations = self.commit_generations(hashes, checksums, owner)
+        return [h for h, g in zip(hashes, generations, strict=True) if g]
+
+    def commit_generations(self, hashes: Sequence[int], checksums: Sequence[int], owner: str) -> list[int]:
+        """`commit`, answering each hash's new commit generation in order (0: not committed by this call)."""
+        generations: list[int] = []
         for h, checksum in zip(hashes, checksums, strict=True):
             self._unquarantine(owner, h)
             entry = self.entries.get(h)
+            generations.append(0)
             if entry is None or entry.state is not BlockState.ALLOCATED or entry.owner != owner:
                 continue
             entry.state, entry.checksum, entry.owner = BlockState.COMMITTED, checksum, ""
@@ -185,8 +191,8 @@ class BlockTable:
                 parent.num_children += 1
                 self._evictable.pop(entry.parent, None)  # no longer a tail
             self._evictable[h] = None
-            committed.append(h)
-        return committed
+            generations[-1] = entry.generation
+        return generations
 
     def free(self, hashes: Iterable[int], owner: str) -> int:
         """Give back `owner`'s allocated (uncommitted) blocks: its write failed."""

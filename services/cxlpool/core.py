@@ -119,11 +119,12 @@ class PoolCore:
 
     def _commit(self, owner: str, payload: memoryview) -> bytes:
         hashes, checksums = ops.decode_commit(payload)
-        committed = self.table.commit(hashes, checksums, owner)
+        generations = self.table.commit_generations(hashes, checksums, owner)
+        committed = [h for h, g in zip(hashes, generations, strict=True) if g]
         if committed:
             parents = tuple(self.table.entries[h].parent for h in committed)
             self._changed(TierChange(stored=tuple(committed), parents=parents))
-        return ops.encode_count(len(committed))
+        return ops.encode_generations(generations)
 
     def _unpin(self, owner: str, payload: memoryview) -> bytes:
         return bytes([self.table.unpin(ops.decode_lease(payload), owner)])

@@ -41,6 +41,9 @@ class EngineConfig(BaseConfig):
     )
     pool_verify_checksums: bool = doc(True, "check each pool block's checksum before using it")
     pool_lease_ms: int = doc(30_000, "how long a pool read lease or write allocation lives at most")
+    pool_prefault: bool = doc(
+        True, "map the whole pool's pages at start, in the background (first reads then take no page faults)"
+    )
     pool_connect_timeout_s: float = doc(30.0, "how long to wait for the pool at start before going without")
     kv_remote: str = doc(
         "", "colocated role: the remote KV store (the RDMA-pool baseline; `kvpath serve remotekv`) to use"

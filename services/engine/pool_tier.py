@@ -5,10 +5,12 @@ Reads: LOOKUP pins the longest prefix of the sequence's block hashes the pool ho
 eviction cannot take them while they are copied); the blocks are numpy views of the mapped slots, imported
 into the cache layer by layer (one copy per run of consecutive slots: no intermediate buffer) and the lease
 ends. A block whose checksum does not match ends the prefix there (corrupt KV is a miss). A block is hashed
-once per commit: LOOKUP returns each hit's commit generation, the pool never lets a committed slot change
-(a slot whose writer's allocation expired is not reused until that writer stopped), so a slot verified at a
-generation is not hashed again while the pool returns that generation (`VerifiedSlots`; agents re-read the
-same context every turn). A slot freed and committed again has a new generation and is verified again.
+once per commit and engine: LOOKUP returns each hit's commit generation, the pool never lets a committed
+slot change (a slot whose writer's allocation expired is not reused until that writer stopped), so a slot
+verified at a generation is not hashed again while the pool returns that generation (`VerifiedSlots`;
+agents re-read the same context every turn). The writer hashed its blocks from the slots to commit them and
+COMMIT answers their generations, so it counts them verified; every other engine verifies them on its first
+load. A slot freed and committed again has a new generation and is verified again.
 Writes: ALLOC (synchronous over the shared-memory RPC: µs, on the event loop between steps) hands out slots
 for blocks the pool lacks; the cache exports into them directly, and COMMIT publishes them with their
 checksums in the background. Any pool failure is a miss or a skipped write, counted, never a failed
@@ -34,6 +36,7 @@ from shared.background import Background
 from shared.blocks import BlockLayout
 from shared.cxl.pool_client import PoolClient
 from shared.cxl.pool_memory import PoolMemory
+from shared.cxl.prefault import Prefaulter
 from shared.errors import KvpathError
 
 log = logging.getLogger(__name__)
@@ -88,6 +91,14 @@ class VerifiedSlots:
         self.num_skipped += int(known.sum())
         return len(slots)
 
+    def mark(self, slots: list[int], checksums: list[int], generations: list[int]) -> None:
+        """The writer's own blocks, committed at `generations` (0: not committed) with checksums it computed
+        from the slots' bytes after copying them: verified at those generations."""
+        index, gens = np.asarray(slots, dtype=np.int64), np.asarray(generations, dtype=np.uint64)
+        done = gens != 0
+        self._generations[index[done]] = gens[done]
+        self._checksums[index[done]] = np.asarray(checksums, dtype=np.uint64)[done]
+
     def forget(self) -> None:
         """Verify every block again (benchmarks' first loads)."""
         self._generations[:] = 0
@@ -95,11 +106,19 @@ class VerifiedSlots:
 
 class PoolTier:
     def __init__(
-        self, client: PoolClient, layout: BlockLayout, kv: Any, *, verify_checksums: bool, lease_ms: int
+        self,
+        client: PoolClient,
+        layout: BlockLayout,
+        kv: Any,
+        *,
+        verify_checksums: bool,
+        lease_ms: int,
+        prefault: bool = False,
     ) -> None:
         assert client.memory is not None, "a pool tier needs the pool's memory mapped"
         self.client = client
         self.memory: PoolMemory = client.memory
+        self.prefaulter = Prefaulter(self.memory.devices).start() if prefault else None
         self.layout = layout
         self.kv = kv
         self.verify_checksums = verify_checksums
@@ -215,7 +234,7 @@ class PoolTier:
         checksums = self._export(block_ids, targets)
         metrics.POOL_BLOCKS.labels("written").inc(len(picked))
         metrics.POOL_WRITE_SECONDS.observe(time.perf_counter() - started)
-        return self._keep(self._commit(seq.request_id, [hashes[i] for i in picked], checksums))
+        return self._keep(self._commit(seq.request_id, [hashes[i] for i in picked], targets, checksums))
 
     def _export(self, block_ids: list[int], slots: list[int]) -> list[int]:
         if self._copier is not None:  # one launch writes every block into its mapped slot
@@ -233,17 +252,23 @@ class PoolTier:
         bases = np.asarray(self._registered.device_ptrs, dtype=np.uint64)[devices]
         return (bases + rows.astype(np.uint64) * np.uint64(self.memory.geometry.slot_bytes)).tolist()
 
-    async def _commit(self, request_id: str, hashes: list[int], checksums: list[int]) -> None:
+    async def _commit(
+        self, request_id: str, hashes: list[int], slots: list[int], checksums: list[int]
+    ) -> None:
         try:
-            await self.client.commit(hashes, checksums, timeout_s=1.0)
+            generations = await self.client.commit(hashes, checksums, timeout_s=1.0)
         except KvpathError as exc:  # uncommitted slots go back when their allocation expires
             metrics.POOL_BLOCKS.labels("write_error").inc(len(hashes))
             log.warning("pool commit failed request_id=%s: %s", request_id, exc.message)
+            return
+        self.verified.mark(slots, checksums, generations)  # hashed from the slots: no need to again
 
     def _keep(self, work: Awaitable[Any]) -> asyncio.Future[Any]:
         return self._background.keep(work)
 
     async def close(self) -> None:
+        if self.prefaulter is not None:
+            self.prefaulter.stop()  # before the mapping goes
         await self._background.close(grace_s=1.0)
         if self._registered is not None:
             self._registered.close()

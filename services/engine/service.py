@@ -255,6 +255,7 @@ async def connect_pool(config: EngineConfig, service: EngineService) -> Any:
         runner.kv,
         verify_checksums=config.pool_verify_checksums,
         lease_ms=config.pool_lease_ms,
+        prefault=config.pool_prefault,
     )
 
 

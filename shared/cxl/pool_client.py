@@ -109,9 +109,10 @@ class PoolClient:
         payload = ops.encode_alloc(hashes, parents, lease_ms=lease_ms)
         return ops.decode_slots(await self._acall(Op.ALLOC, payload, timeout_s))
 
-    async def commit(self, hashes: Sequence[int], checksums: Sequence[int], *, timeout_s: float) -> int:
+    async def commit(self, hashes: Sequence[int], checksums: Sequence[int], *, timeout_s: float) -> list[int]:
+        """Publish the blocks: each one's commit generation, in order (0: not committed, e.g. not ours)."""
         data = await self._acall(Op.COMMIT, ops.encode_commit(hashes, checksums), timeout_s)
-        return ops.decode_count(data)
+        return ops.decode_generations(data)
 
     async def unpin(self, lease_id: int, *, timeout_s: float) -> bool:
         return (await self._acall(Op.UNPIN, ops.encode_lease(lease_id), timeout_s)) == b"\x01"

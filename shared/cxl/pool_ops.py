@@ -7,14 +7,16 @@ Little-endian, fixed headers then u64/i64 arrays (numpy views on decode, no per-
     LOOKUP   u8 pin, u8 0, u16 0, u32 lease_ms, u32 n, u64 hash[n]
              -> u64 lease_id, u32 n_hit, i64 slot[n_hit], u64 checksum[n_hit], u64 generation[n_hit]
     ALLOC    u32 lease_ms, u32 n, u64 hash[n], u64 parent[n]   -> u32 n, i64 slot[n]  (NO_SLOT / NO_ROOM < 0)
-    COMMIT   u32 n, u64 hash[n], u64 checksum[n]               -> u32 committed
+    COMMIT   u32 n, u64 hash[n], u64 checksum[n]               -> u32 n, u64 generation[n]  (0: not committed)
     UNPIN    u64 lease_id                                      -> u8 ended
     FREE     u32 n, u64 hash[n]                                -> u32 freed
     STATS    -> JSON
 
 A block's (slot, generation) names one commit: a generation is never reused, and the pool never lets a
 committed slot change (services/cxlpool/block_table.py), so a reader that verified a slot's checksum at a
-generation may skip that check while LOOKUP returns the same generation.
+generation may skip that check while LOOKUP returns the same generation. COMMIT returns the generations it
+issued, so the writer, which computed each checksum from the slot's bytes once it had copied them, counts
+its own blocks as verified at their commit.
 
 A request that does not parse raises `PoolRequestError`; the pool answers it with STATUS_BAD_REQUEST and goes
 on serving. Arrays decode to lists through a memoryview cast and encode through `array`: for the short
@@ -180,6 +182,16 @@ def decode_commit(data: memoryview | bytes) -> tuple[list[int], list[int]]:
     n = _count(_COUNT.unpack_from(data)[0], "commit")
     _exact(data, _COUNT.size + 16 * n, "commit")
     return _array(data, _COUNT.size, n, "Q", "commit"), _array(data, _COUNT.size + 8 * n, n, "Q", "commit")
+
+
+def encode_generations(generations: Sequence[int]) -> bytes:
+    """COMMIT's reply: each block's commit generation, in the request's order (0: not committed)."""
+    return _COUNT.pack(len(generations)) + _pack(generations, "Q")
+
+
+def decode_generations(data: memoryview | bytes) -> list[int]:
+    (n,) = _COUNT.unpack_from(data)
+    return _array(data, _COUNT.size, n, "Q", "commit reply")
 
 
 def encode_hashes(hashes: Sequence[int]) -> bytes:

@@ -51,7 +51,8 @@ async def write(client: PoolClient, rng: random.Random, until: float) -> dict[st
             checksums.append(xxhash.xxh3_64_intdigest(view.data))
         counts["allocated"] += len(mine)
         if mine:
-            counts["committed"] += await client.commit([h for h, _ in mine], checksums, timeout_s=1.0)
+            generations = await client.commit([h for h, _ in mine], checksums, timeout_s=1.0)
+            counts["committed"] += sum(1 for g in generations if g)
         await asyncio.sleep(0)
     return counts
 

@@ -43,7 +43,9 @@ def test_write_then_read_through_the_byte_protocol() -> None:
     hashes, parents = [11, 12, 13], [5, 11, 12]
     slots = ops.decode_slots(ok(pool, "w", Op.ALLOC, ops.encode_alloc(hashes, parents, lease_ms=0)))
     assert sorted(slots) == [0, 1, 2]
-    assert ops.decode_count(ok(pool, "w", Op.COMMIT, ops.encode_commit(hashes[:2], [101, 102]))) == 2
+    commit = ops.encode_commit(hashes[:2], [101, 102])
+    assert ops.decode_generations(ok(pool, "w", Op.COMMIT, commit)) == [1, 2]
+    assert ops.decode_generations(ok(pool, "w", Op.COMMIT, commit)) == [0, 0]  # committed once
     change = pool.take_changes()
     assert [(c.stored, c.parents) for c in change] == [((11, 12), (5, 11))] and wakes
     reply = ops.decode_lookup_reply(

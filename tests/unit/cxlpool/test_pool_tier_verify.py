@@ -1,7 +1,8 @@
-"""The engine's pool tier checks each block's checksum once per commit: a re-load of a block it verified is
-not hashed again, a slot freed and committed again is verified again, and a corrupt block is a miss on
-every load. A real block table and codec behind a synchronous stand-in of the client (`_Client`: every call
-goes through `PoolCore.handle`, as the CXL-RPC server's thread would run it)."""
+"""The engine's pool tier checks each block's checksum once per commit: its writer hashed it to commit it,
+another engine hashes it on its first load, a re-load of a block it verified is not hashed again, a slot
+freed and committed again is verified again, and a corrupt block is a miss on every load. A real block
+table and codec behind a synchronous stand-in of the client (`_Client`: every call goes through
+`PoolCore.handle`, as the CXL-RPC server's thread would run it)."""
 
 from __future__ import annotations
 
@@ -53,8 +54,8 @@ class _Client:
     ) -> list[int]:
         return ops.decode_slots(self._call(Op.ALLOC, ops.encode_alloc(hashes, parents, lease_ms=lease_ms)))
 
-    async def commit(self, hashes: list[int], checksums: list[int], *, timeout_s: float) -> int:
-        return ops.decode_count(self._call(Op.COMMIT, ops.encode_commit(hashes, checksums)))
+    async def commit(self, hashes: list[int], checksums: list[int], *, timeout_s: float) -> list[int]:
+        return ops.decode_generations(self._call(Op.COMMIT, ops.encode_commit(hashes, checksums)))
 
     async def unpin(self, lease_id: int, *, timeout_s: float) -> bool:
         return self._call(Op.UNPIN, ops.encode_lease(lease_id)) == b"\x01"
@@ -85,15 +86,23 @@ def hashed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def _tier(memory: PoolMemory) -> tuple[PoolTier, PagedKVCache, BlockTable]:
-    table = BlockTable(NUM_SLOTS, first_generation=1000)
-    info = PoolInfo(
-        pool_id="p", epoch=1000, fingerprint="fp", block_size=4, slot_bytes=LAYOUT.full_block_bytes,
-        num_slots=NUM_SLOTS, num_devices=2, interleave_bytes=2 * 192, device_paths=memory.paths,
-    )  # fmt: skip
+def _tier(memory: PoolMemory, core: PoolCore | None = None) -> tuple[PoolTier, PagedKVCache, BlockTable]:
+    """An engine's pool tier (its own cache); `core`: the pool another engine's tier uses (else a new one)."""
+    if core is None:
+        info = PoolInfo(
+            pool_id="p", epoch=1000, fingerprint="fp", block_size=4, slot_bytes=LAYOUT.full_block_bytes,
+            num_slots=NUM_SLOTS, num_devices=2, interleave_bytes=2 * 192, device_paths=memory.paths,
+        )  # fmt: skip
+        core = PoolCore(BlockTable(NUM_SLOTS, first_generation=1000), info, default_lease_ms=1000)
     kv = PagedKVCache(num_blocks=16, num_layers=3, block_size=4, kv_dim=4, dtype="float32", device="cpu")
-    client = _Client(memory, PoolCore(table, info, default_lease_ms=1000))
-    return PoolTier(client, LAYOUT, kv, verify_checksums=True, lease_ms=1000), kv, table  # type: ignore[arg-type]
+    client = _Client(memory, core)
+    return PoolTier(client, LAYOUT, kv, verify_checksums=True, lease_ms=1000), kv, core.table  # type: ignore[arg-type]
+
+
+def _reader(memory: PoolMemory, writer: PoolTier) -> tuple[PoolTier, PagedKVCache]:
+    """Another engine's tier on the writer's pool."""
+    tier, kv, _ = _tier(memory, writer.client.core)  # type: ignore[attr-defined]
+    return tier, kv
 
 
 def _sequence(name: str, block_ids: list[int]) -> Sequence:
@@ -127,55 +136,72 @@ async def _load(tier: PoolTier, kv: PagedKVCache, seq: Sequence) -> np.ndarray |
     return out
 
 
+async def test_the_writer_counts_its_own_commit_verified(memory: PoolMemory, hashed: list[int]) -> None:
+    writer, kv, _ = _tier(memory)
+    seq = _sequence("a", [0, 1, 2])
+    data = await _write(writer, kv, seq, seed=1)
+    assert len(hashed) == 3  # to commit them, from the slots' bytes
+    del hashed[:]
+    loaded = await _load(writer, kv, seq)
+    assert loaded is not None and loaded.tobytes() == data.tobytes() and not hashed
+    reader, reader_kv = _reader(memory, writer)  # another engine has not verified them yet
+    loaded = await _load(reader, reader_kv, seq)
+    assert loaded is not None and loaded.tobytes() == data.tobytes() and len(hashed) == 3
+
+
 async def test_a_verified_block_is_not_hashed_again_while_its_commit_stands(
     memory: PoolMemory, hashed: list[int]
 ) -> None:
-    tier, kv, _ = _tier(memory)
+    writer, kv, _ = _tier(memory)
+    tier, reader_kv = _reader(memory, writer)
     seq = _sequence("a", [0, 1, 2])
-    data = await _write(tier, kv, seq, seed=1)
-    del hashed[:]  # (the write hashed them to commit them)
-    first = await _load(tier, kv, seq)
+    data = await _write(writer, kv, seq, seed=1)
+    del hashed[:]
+    first = await _load(tier, reader_kv, seq)
     assert first is not None and first.tobytes() == data.tobytes() and len(hashed) == 3
     for _ in range(3):
-        again = await _load(tier, kv, seq)
+        again = await _load(tier, reader_kv, seq)
         assert again is not None and again.tobytes() == data.tobytes()
     assert len(hashed) == 3 and tier.verified.num_skipped == 9
     longer = _sequence("a", [0, 1, 2, 3])  # the same prefix and one more block: only that one is new
-    await _write(tier, kv, longer, seed=1)
+    await _write(writer, kv, longer, seed=1)
     del hashed[:]
-    assert (loaded := await _load(tier, kv, longer)) is not None and len(loaded) == 4 and len(hashed) == 1
+    loaded = await _load(tier, reader_kv, longer)
+    assert loaded is not None and len(loaded) == 4 and len(hashed) == 1
 
 
 async def test_a_slot_freed_and_committed_again_is_verified_again(
     memory: PoolMemory, hashed: list[int]
 ) -> None:
-    tier, kv, table = _tier(memory)
+    writer, kv, table = _tier(memory)
+    tier, reader_kv = _reader(memory, writer)
     seq = _sequence("a", [0, 1, 2])
-    await _write(tier, kv, seq, seed=1)
-    assert await _load(tier, kv, seq) is not None
+    await _write(writer, kv, seq, seed=1)
+    assert await _load(tier, reader_kv, seq) is not None
     slots = [table.entries[h].slot for h in seq.block_hashes]
     # the pool fills with another chain (6 slots): "a" is evicted, its slots hold new commits
     other = _sequence("b", [3, 4, 5, 6, 7, 8])
-    data = await _write(tier, kv, other, seed=2)
+    data = await _write(writer, kv, other, seed=2)
     assert not set(seq.block_hashes) & set(table.entries) and set(slots) <= {
         table.entries[h].slot for h in other.block_hashes
     }
     del hashed[:]
-    loaded = await _load(tier, kv, other)
+    loaded = await _load(tier, reader_kv, other)
     assert loaded is not None and loaded.tobytes() == data.tobytes() and len(hashed) == 6
     # "a" written again, same bytes: some of its slots are ones it had before, under new generations
-    await _write(tier, kv, seq, seed=1)
+    await _write(writer, kv, seq, seed=1)
     del hashed[:]
-    assert await _load(tier, kv, seq) is not None and len(hashed) == 3
+    assert await _load(tier, reader_kv, seq) is not None and len(hashed) == 3
 
 
 async def test_a_corrupt_block_is_a_miss_on_its_first_load_and_after(memory: PoolMemory) -> None:
-    tier, kv, table = _tier(memory)
+    writer, kv, table = _tier(memory)
+    tier, reader_kv = _reader(memory, writer)
     seq = _sequence("a", [0, 1, 2])
-    data = await _write(tier, kv, seq, seed=1)
+    data = await _write(writer, kv, seq, seed=1)
     memory.slot(table.entries[seq.block_hashes[1]].slot)[5] ^= 0xFF  # torn after its commit
     for _ in range(2):
-        loaded = await _load(tier, kv, seq)
+        loaded = await _load(tier, reader_kv, seq)
         assert loaded is not None and len(loaded) == 1 and loaded.tobytes() == data[:1].tobytes()
     assert table.snapshot_stats().num_pinned == 0  # every lease ended
 
