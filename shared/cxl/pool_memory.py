@@ -3,7 +3,8 @@
 Beluga's pool is one large memory that every engine on every host maps and reads with plain loads and stores.
 Here it is `num_devices` backing "devices" mapped `MAP_SHARED`: DAX character devices (`/dev/daxX.Y`, devdax)
 or files on a hugetlbfs mount when the deployment gives their paths, else files in /dev/shm (the emulation;
-same semantics, local DRAM speed). The pool service creates or opens them; engines map the same paths.
+same semantics, local DRAM speed). The pool service creates (allocating their memory at once, as a device has
+it) or opens them; engines map the same paths.
 
 Slots: the pool holds fixed-size slots, one Full Block each (`BlockLayout.full_block_bytes`), so a slot is a
 contiguous `[num_layers, block_size, bytes]` view of one device and a Layer Block a contiguous part of it.
@@ -137,6 +138,7 @@ class PoolMemory:
         try:
             if create:
                 os.ftruncate(fd, size)
+                _reserve(fd, path, size)
             elif Path(path).is_file() and os.fstat(fd).st_size < size:
                 raise ConfigError(f"pool device {path} holds {os.fstat(fd).st_size} bytes, {size} needed")
             self._maps.append(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
@@ -181,6 +183,22 @@ class PoolMemory:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             self._owns = False
+
+
+def _reserve(fd: int, path: str, size: int) -> None:
+    """Allocate an emulated device's memory now, as a real device has it: a tmpfs too small for the pool
+    fails here with a clear error instead of a SIGBUS in whichever engine first writes past its end, the
+    pages are charged to the pool service's memory (cgroup), not to the engine that touches them first, and
+    engines that map the pool find every page present (`shared/cxl/prefault.py` only maps them)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        free = os.statvfs(path).f_bavail * os.statvfs(path).f_frsize
+        raise ConfigError(
+            f"pool device {path}: cannot allocate {size} bytes ({exc.strerror}; {free} free there): give the "
+            "pool less memory (--capacity-bytes) or its tmpfs more (e.g. docker --shm-size)",
+            param="capacity_bytes",
+        ) from exc
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -4,8 +4,8 @@ A process that maps the pool pays a page fault for every page it touches first (
 tables then). With 4 KiB pages, as /dev/shm has, that is ~17 ms per 279 MB on this machine: as much as
 the copy itself, paid by the first load of each block in each engine. DAX devices and hugetlbfs map 2 MiB
 pages and barely pay it. Populating the mapping once in the background, in chunks, moves that cost off the
-request path; the pool is memory the deployment dedicated to it, so its pages being resident is expected
-(on an emulated pool, populating a hole allocates the page, as a write to it would).
+request path; the pool service allocated every page when it created the devices (`pool_memory._reserve`),
+so this only maps them (a process's RSS then counts the pool's pages: shared memory, held once).
 
 `MADV_POPULATE_READ` (Linux 5.14) only creates mappings: it does not change the memory, so it is safe while
 other processes write. Where the kernel lacks it the thread stops at once and reads fault as before.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -69,3 +71,23 @@ def test_a_pool_smaller_than_a_stripe_per_device_leaves_devices_empty() -> None:
         assert [len(d) for d in memory.devices] == [2, 1, 0, 0]
     finally:
         memory.close()
+
+
+def test_created_devices_are_allocated_up_front() -> None:
+    g = PoolGeometry(slot_bytes=64 << 10, num_slots=48, num_devices=2)
+    memory = PoolMemory.create(g, f"kvpath-test-{uuid.uuid4().hex[:8]}-pool")
+    try:  # every byte of both devices is backed by tmpfs pages already, before anything is written
+        assert [os.stat(p).st_blocks * 512 for p in memory.paths] == [g.device_bytes(0), g.device_bytes(1)]
+    finally:
+        memory.close()
+
+
+def test_a_tmpfs_too_small_for_the_pool_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_space(fd: int, offset: int, size: int) -> None:  # fault injection: a full /dev/shm
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    prefix = f"kvpath-test-{uuid.uuid4().hex[:8]}-pool"
+    with pytest.raises(ConfigError, match=r"cannot allocate .*shm-size"):
+        PoolMemory.create(PoolGeometry(slot_bytes=4096, num_slots=4), prefix)
+    assert not any(p.name.startswith(prefix) for p in Path("/dev/shm").iterdir())  # nothing left behind
