@@ -49,6 +49,9 @@ class EngineConfig(BaseConfig):
         "", "colocated role: the remote KV store (the RDMA-pool baseline; `kvpath serve remotekv`) to use"
     )
     remote_cache_bytes: int = doc(256 * 1024 * 1024, "remote tier: engine-local DRAM cache of super blocks")
+    remote_verify_checksums: bool = doc(
+        True, "remote tier: check each super block fetched from the store against its committed checksum"
+    )
     remote_chunk_tokens: int = doc(256, "remote tier: tokens per super block (the store's chunk_tokens)")
     remote_timeout_s: float = doc(2.0, "remote tier: deadline of one store operation (metadata or bytes)")
     move_query: bool = doc(False, "colocated role: route held prefixes (move the query) and serve routes")

@@ -143,8 +143,11 @@ class RemoteStoreClient:
         """Write `(offset, bytes)` pieces into the store's region, one op."""
         await link.peer.write_many(link.info.region, pieces, timeout_s=self.timeout_s)
 
-    async def commit(self, put_id: int, keys: list[int]) -> RemoteKvCommitReply:
-        return await self._request("commit", RemoteKvCommit(put_id=put_id, keys=keys), RemoteKvCommitReply)
+    async def commit(
+        self, put_id: int, keys: list[int], checksums: list[int] | None = None
+    ) -> RemoteKvCommitReply:
+        msg = RemoteKvCommit(put_id=put_id, keys=keys, checksums=checksums or [])
+        return await self._request("commit", msg, RemoteKvCommitReply)
 
     async def get(
         self, link: StoreLink, request_id: str, keys: list[int], target: RemoteKvTarget, timeout_s: float

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from services.engine import metrics
 from services.engine.remote_cache import CacheEntry, SuperBlockCache, chunk_keys, completed_chunks
@@ -70,8 +71,10 @@ class RemoteTier:
         seed: int,
         chunk_blocks: int,
         cache_bytes: int,
+        verify_checksums: bool = True,
     ) -> None:
         self.client = client
+        self.verify_checksums = verify_checksums
         self.announcer = announcer
         self.layout = layout
         self.kv = kv
@@ -174,14 +177,36 @@ class RemoteTier:
                 self._quarantine_slots(wanted, 2 * timeout_s)
             return []
         metrics.REMOTE_OP_SECONDS.labels("get").observe(time.perf_counter() - started)
-        hit = wanted[: reply.num_hit_chunks]
-        self._drop(wanted[reply.num_hit_chunks :])  # the store answered: it wrote nothing there
+        num_hit = reply.num_hit_chunks
+        if self.verify_checksums and num_hit:
+            num_hit = self._verified_prefix(seq, wanted[:num_hit], reply.checksums)
+        hit = wanted[:num_hit]
+        self._drop(wanted[num_hit:])  # the store wrote nothing there, or bytes that do not match
         for entry in hit:
             self.cache.publish(entry)
         metrics.REMOTE_BYTES.labels("in").inc(len(hit) * self.chunk_bytes)
         if hit:
             self._keep(self.announcer.stored(hit))
         return hit
+
+    def _verified_prefix(self, seq: Sequence, entries: list[CacheEntry], checksums: list[int]) -> int:
+        """How many leading fetched super blocks match the checksums their writer committed (a store that
+        sent none, an older one: all of them). Checked once, as they land; the local cache keeps them as
+        they are, so a local hit later is not hashed again."""
+        if len(checksums) != len(entries):
+            return len(entries)
+        for i, (entry, want) in enumerate(zip(entries, checksums, strict=True)):
+            if want and self._checksum(entry) != want:
+                metrics.REMOTE_CHUNKS.labels("corrupt").inc()
+                log.warning(
+                    "remote super block %d of request_id=%s is corrupt: a miss from there", i, seq.request_id
+                )
+                return i
+        return len(entries)
+
+    def _checksum(self, entry: CacheEntry) -> int:
+        start = entry.slot * self.chunk_bytes
+        return xxhash.xxh3_64_intdigest(self.arena[start : start + self.chunk_bytes].data)
 
     def _reserve(self, seq: Sequence, chunks: range, *, stop_at_held: bool) -> list[tuple[int, CacheEntry]]:
         """(super block, FILLING entry) for these super blocks of the sequence, in order. One held (or being
@@ -283,6 +308,7 @@ class RemoteTier:
             for e, off in picked
         ]
         written = [e.key for e, _ in picked]
+        checksums = [self._checksum(e) for e, _ in picked] if self.verify_checksums else []
         try:
             await self.client.write(link, pieces)
         except KvpathError as exc:
@@ -290,7 +316,9 @@ class RemoteTier:
             metrics.REMOTE_ERRORS.labels("write", exc.code).inc()
             written = []
         try:
-            committed = (await self.client.commit(reply.put_id, written)).num_committed
+            committed = (
+                await self.client.commit(reply.put_id, written, checksums if written else [])
+            ).num_committed
         except KvpathError as exc:  # uncommitted slots go back at the reservation's deadline
             self.client.failed(exc)
             metrics.REMOTE_ERRORS.labels("commit", exc.code).inc()

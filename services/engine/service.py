@@ -284,6 +284,7 @@ async def start_remote_tier(config: EngineConfig, service: EngineService) -> Any
         seed=fingerprint_seed(runner.fingerprint),
         chunk_blocks=chunk_blocks,
         cache_bytes=config.remote_cache_bytes,
+        verify_checksums=config.remote_verify_checksums,
     )
     await tier.start()
     return tier

@@ -113,7 +113,13 @@ class RemoteKvHandlers:
             self._check_keys(msg.keys)
             if msg.put_id < 0:
                 raise InvalidRequestError(f"put_id must be >= 0, got {msg.put_id}", param="put_id")
-            committed, released = self.table.commit(msg.put_id, msg.keys)
+            if msg.checksums and len(msg.checksums) != len(msg.keys):
+                raise InvalidRequestError(
+                    f"{len(msg.checksums)} checksums for {len(msg.keys)} keys", param="checksums"
+                )
+            if msg.checksums and (min(msg.checksums) < 0 or max(msg.checksums) > _U64_MAX):
+                raise InvalidRequestError("checksums are unsigned 64-bit", param="checksums")
+            committed, released = self.table.commit(msg.put_id, msg.keys, msg.checksums)
         metrics.CHUNKS.labels("commit", "committed").inc(committed)
         metrics.CHUNKS.labels("commit", "released").inc(released)
         metrics.COMMITTED_BYTES.inc(committed * self.table.chunk_bytes)
@@ -139,6 +145,7 @@ class RemoteKvHandlers:
                 )
             exists = self.table.exists(msg.keys)
             offsets = self.table.pin_prefix(msg.keys)
+            checksums = self.table.checksums(msg.keys[: len(offsets)])
             self.num_gets_in_flight += 1
             self.is_idle.clear()
             try:
@@ -156,6 +163,7 @@ class RemoteKvHandlers:
             num_hit_chunks=hit,
             miss_reason="" if hit == len(msg.keys) else "missing",
             exists=exists,
+            checksums=checksums,
         )
 
     async def _write_out(self, msg: RemoteKvGet, offsets: list[int]) -> None:

@@ -35,6 +35,7 @@ class Chunk:
     put_id: int
     is_committed: bool = False
     num_readers: int = 0  # GETs writing it out now: not evictable
+    checksum: int = 0  # as committed (0: none given)
 
 
 @dataclass(slots=True)
@@ -158,19 +159,20 @@ class SlotTable:
         self.num_evicted += 1
         return chunk.slot
 
-    def commit(self, put_id: int, keys: Sequence[int]) -> tuple[int, int]:
-        """Publish `keys` of reservation `put_id`, give its other slots back: (committed, released)."""
+    def commit(self, put_id: int, keys: Sequence[int], checksums: Sequence[int] = ()) -> tuple[int, int]:
+        """Publish `keys` of reservation `put_id` (with their `checksums`, when given), give its other slots
+        back: (committed, released)."""
         reservation = self._reservations.pop(put_id, None)
         if reservation is None:  # unknown, or expired (its slots are gone): nothing to publish
             return 0, 0
-        wanted = set(keys)
+        wanted = dict(zip(keys, checksums or [0] * len(keys), strict=True))
         committed = released = 0
         for key in reservation.keys:
             chunk = self._chunks.get(key)
             if chunk is None or chunk.put_id != put_id or chunk.is_committed:
                 continue
             if key in wanted:
-                chunk.is_committed = True
+                chunk.is_committed, chunk.checksum = True, wanted[key]
                 self._lru[key] = None
                 committed += 1
             else:
@@ -210,6 +212,10 @@ class SlotTable:
             self._lru.move_to_end(key)
             offsets.append(self.offset(chunk.slot))
         return offsets
+
+    def checksums(self, keys: Sequence[int]) -> list[int]:
+        """The committed checksums of held keys (0: none given)."""
+        return [self._chunks[key].checksum for key in keys]
 
     def unpin(self, keys: Sequence[int]) -> None:
         for key in keys:

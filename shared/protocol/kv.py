@@ -323,6 +323,7 @@ class RemoteKvCommit(Message):
     KIND = "remotekv_commit"
     put_id: int
     keys: list[int]
+    checksums: list[int] = field(default_factory=list)  # per key: xxh3-64 of its bytes ([]: none given)
 
 
 @message
@@ -362,13 +363,15 @@ class RemoteKvGet(Message):
 @message
 class RemoteKvGetReply(Message):
     """`num_hit_chunks` leading keys are in the target region; `miss_reason` says why the next one is not
-    ("" | missing | foreign: the store holds another KV format). `exists`: which keys the store holds."""
+    ("" | missing | foreign: the store holds another KV format). `exists`: which keys the store holds;
+    `checksums`: the hits' checksums as their writer committed them, for the reader to verify."""
 
     KIND = "remotekv_get_reply"
     epoch: int
     num_hit_chunks: int
     miss_reason: str = ""
     exists: list[bool] = field(default_factory=list)
+    checksums: list[int] = field(default_factory=list)  # per hit: its COMMIT checksum (0: none given)
 
 
 @message

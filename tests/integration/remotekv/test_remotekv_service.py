@@ -170,6 +170,8 @@ async def test_bad_requests_get_error_replies_and_the_store_keeps_serving(
         ("put", RemoteKvPut(request_id="r", keys=[1], timeout_s=1e9, **FMT)),
         ("put", RemoteKvPut(request_id="r", keys=list(range(5000)), **FMT)),
         ("commit", RemoteKvCommit(put_id=-3, keys=[1])),
+        ("commit", RemoteKvCommit(put_id=1, keys=[1, 2], checksums=[5])),  # one checksum for two keys
+        ("commit", RemoteKvCommit(put_id=1, keys=[1], checksums=[-5])),
         ("exist", RemoteKvExist(keys=[-5])),
     ]
     for op, msg in bad:

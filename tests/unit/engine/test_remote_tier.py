@@ -52,8 +52,10 @@ class FakeStore:
         for offset, data in pieces:
             self.region[offset : offset + data.size] = data
 
-    async def commit(self, put_id: int, keys: list[int]) -> RemoteKvCommitReply:
-        committed, released = self.table.commit(put_id, keys)
+    async def commit(
+        self, put_id: int, keys: list[int], checksums: list[int] | None = None
+    ) -> RemoteKvCommitReply:
+        committed, released = self.table.commit(put_id, keys, checksums or ())
         return RemoteKvCommitReply(num_committed=committed, num_released=released)
 
     async def get(
@@ -69,7 +71,8 @@ class FakeStore:
         for src, dst in zip(offsets, target.offsets, strict=False):
             arena[dst : dst + CHUNK_BYTES] = self.region[src : src + CHUNK_BYTES]
         self.table.unpin(keys[: len(offsets)])
-        return RemoteKvGetReply(epoch=1, num_hit_chunks=len(offsets))
+        checksums = self.table.checksums(keys[: len(offsets)])
+        return RemoteKvGetReply(epoch=1, num_hit_chunks=len(offsets), checksums=checksums)
 
     def failed(self, exc: KvpathError) -> None:
         self.failures.append(exc.code)
@@ -123,7 +126,9 @@ class FakeKv:
         self.blocks[block_ids, layer] = src
 
 
-def tier(store: FakeStore, kv: FakeKv, engine_id: str, cache_chunks: int = 4) -> RemoteTier:
+def tier(
+    store: FakeStore, kv: FakeKv, engine_id: str, cache_chunks: int = 4, *, verify: bool = True
+) -> RemoteTier:
     announcer = FakeAnnouncer()
     t = RemoteTier(
         store,  # type: ignore[arg-type]
@@ -137,6 +142,7 @@ def tier(store: FakeStore, kv: FakeKv, engine_id: str, cache_chunks: int = 4) ->
         seed=1,
         chunk_blocks=CB,
         cache_bytes=cache_chunks * CHUNK_BYTES + 10,
+        verify_checksums=verify,
     )
     t.announced = announcer  # type: ignore[attr-defined]
     store.arenas[engine_id] = t.arena
@@ -183,6 +189,27 @@ async def test_written_super_blocks_come_back_on_another_engine_layer_by_layer()
     assert again is not None and again.num_blocks == 8
     assert await b.read(sequence(list(range(37)), dst_ids), 7) is not None  # 7 blocks: one super block
     assert await b.read(sequence(list(range(37)), dst_ids), 3) is None
+
+
+async def test_a_super_block_corrupt_in_the_store_is_a_miss_from_there() -> None:
+    store = FakeStore()
+    kv_a = FakeKv(12, seed=1)
+    a = tier(store, kv_a, "engine-a")
+    seq = sequence(list(range(37)), [3, 1, 4, 0, 5, 9, 2, 6, 8])
+    done = a.write(seq, 0, 9, 1)
+    assert done is not None
+    await done  # committed with the checksums of the bytes it uploaded
+    key = seq.block_hashes[2 * CB - 1]
+    second = store.table.pin_prefix([key])[0]
+    store.table.unpin([key])
+    store.region[second + 17] ^= 0xFF  # the store's copy of super block 2 changes after its commit
+    b = tier(store, FakeKv(12, seed=2), "engine-b")
+    read = await b.read(sequence(list(range(37)), list(range(8))), 9)
+    assert read is not None and read.num_blocks == CB  # super block 1 only: the corrupt one is a miss
+    assert len(b.cache) == 1  # its slot went back
+    unchecked = tier(store, FakeKv(12, seed=3), "engine-c", verify=False)  # the check is what catches it
+    loaded = await unchecked.read(sequence(list(range(37)), list(range(8))), 9)
+    assert loaded is not None and loaded.num_blocks == 2 * CB
 
 
 async def test_a_store_that_is_down_is_a_miss_and_the_local_cache_still_fills() -> None:
