@@ -82,9 +82,8 @@ class EngineCore:
 
     def submit(self, task: Task, *, trace_parent: Any = None) -> TaskAck:
         """Validate a task, let the connector take its part, start it; the ack says whether the engine took
-        it (a decode engine's names the buffer its prefill engine writes into).
-
-        `trace_parent`: the trace context that came with the task (the request's spans hang off it)."""
+        it (a decode engine's names the buffer its prefill engine writes into). `trace_parent`: the trace
+        context that came with the task (the request's spans hang off it)."""
         try:
             seq = self.admit(task)
             buffer = self.connector.accept(seq, task)
@@ -360,6 +359,7 @@ class EngineCore:
             delta.timings = seq.timings
         if delta.finish_reason == "error":
             delta.error_code, delta.error_message = seq.error_code, seq.error_message
+            delta.error_engine = seq.error_engine
         seq.unsent_token_ids = []
         seq.next_delta_seq += 1
         return seq.router_id, delta, seq.final_wait if finish is not None else None

@@ -65,6 +65,7 @@ class DeBuffer:
             return None
         except KvpathError as exc:
             seq.error_code, seq.error_message = exc.code, f"prefill engine {pe_id}: {exc.message}"
+            seq.error_engine = pe_id
             return None
         handoff.is_done = True
         if done.error or done.first_token is None:

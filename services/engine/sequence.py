@@ -43,6 +43,7 @@ class Sequence:
     finish_reason: str | None = None
     error_code: str = ""
     error_message: str = ""
+    error_engine: str = ""  # a peer engine whose loss failed the request (the PE of a hand-off)
     abort_reason: str = ""  # set by an abort; applied between steps
     next_delta_seq: int = 0
     unsent_token_ids: list[int] = field(default_factory=list)

@@ -341,6 +341,8 @@ class RouterCore:
                 code, message = last.error_code or "engine_failed", last.error_message or "engine error"
                 error = error_from_code(code, message)
                 peer_lost = isinstance(error, TransportError) and not num_tokens
+                if peer_lost and last.error_engine and self.engines.suspect(last.error_engine):
+                    log.warning("engine suspect engine=%s: %s", last.error_engine, error.message)
                 if peer_lost and await self._redispatch(stream, again, deadline, usage, error.message):
                     continue
                 raise error

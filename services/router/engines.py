@@ -35,6 +35,8 @@ class EngineState:
     pending_requests: int = 0
     pending_tokens: int = 0
     pending_kv_tokens: int = 0
+    # another engine saw this one go (its KV data plane broke): out of every decision until it reports again
+    is_suspect: bool = False
 
     def snapshot(self, block_size: int) -> EngineSnapshot:
         r = self.report
@@ -76,6 +78,8 @@ class EngineTable:
         self.refused.pop(report.service_id, None)
         if current is not None and (current.report.role, current.report.node) != (report.role, report.node):
             self._forget(report.service_id)  # moved: it leaves its old node, then joins as new
+        if current is not None and current.is_suspect:
+            self.has_left = True  # it is back: the placement table rebuilds with it
         if report.service_id not in self._engines and report.role == ROLE_STORAGE:
             self._storage_at.setdefault(report.node, {})[report.service_id] = None
         self._engines[report.service_id] = EngineState(report=report, received_at=now)
@@ -141,6 +145,18 @@ class EngineTable:
             state.pending_tokens = max(0, state.pending_tokens - tokens)
             self._changed[service_id] = None
 
+    def suspect(self, service_id: str) -> bool:
+        """Another engine lost its connection to this one: leave it out of the live engines (so no decision
+        picks it) until its next load report. A dead engine stays out, and the silence timeout then fails its
+        streams; a live one is back within a report interval. Its streams are not failed here. True when
+        it was live and is now left out."""
+        state = self._engines.get(service_id)
+        if state is None or state.is_suspect:
+            return False
+        state.is_suspect = True
+        self.has_left = True  # the placement table rebuilds without it
+        return True
+
     def storage_of(self, node: int) -> str | None:
         """The service id of node `node`'s storage service, if it reports."""
         return next(iter(self._storage_at.get(node, ())), None)
@@ -156,7 +172,7 @@ class EngineTable:
     def live(self, now: float, *, roles: tuple[str, ...] | None = None) -> list[EngineState]:
         out = []
         for state in self._engines.values():
-            if now - state.received_at > self.silence_timeout_s:
+            if now - state.received_at > self.silence_timeout_s or state.is_suspect:
                 continue
             if roles is not None and state.report.role not in roles:
                 continue

@@ -100,8 +100,8 @@ def _fast_delta(d: Any) -> TokenDelta | None:
     for token in token_ids:
         if type(token) is not int:
             return None
-    if "logprobs" in d:
-        return None  # log-probabilities (nested lists) are left to the validating decoder
+    if "logprobs" in d or "error_engine" in d:
+        return None  # log-probabilities (nested lists) and engine failures go to the validating decoder
     timings = _timings(d["timings"]) if "timings" in d else {}
     if timings is None:
         return None

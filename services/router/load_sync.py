@@ -34,6 +34,9 @@ class ServiceState(Protocol):
     @property
     def received_at(self) -> float: ...
 
+    @property
+    def is_suspect(self) -> bool: ...
+
     def snapshot(self, block_size: int) -> EngineSnapshot: ...
 
 
@@ -73,7 +76,7 @@ class TableSync:
             return self._rebuild(engines, block_size, now)
         try:
             for state in engines.take_changed():
-                if now - state.received_at <= engines.silence_timeout_s:
+                if now - state.received_at <= engines.silence_timeout_s and not state.is_suspect:
                     self._update(self.table, engines, state, now)
         except Exception:
             self.table = None  # half updated: the next round rebuilds it

@@ -185,8 +185,9 @@ class StreamTable:
                 continue
             if assigned_before is not None and stream.assigned_unix_s.get(engine_id, 0.0) >= assigned_before:
                 continue
-            if not stream.is_finished:
-                stream.lost_engine = engine_id
+            if stream.is_finished:
+                continue  # failed already (an earlier sweep, or its error is queued): counted then
+            stream.lost_engine = engine_id
             stream.put_error(error)
             failed += 1
         return failed

@@ -194,6 +194,7 @@ class TokenDelta(Message):
     cached_tokens: int = 0
     error_code: str = ""
     error_message: str = ""
+    error_engine: str = ""  # the engine whose loss failed the request, when another engine saw it go
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage, sent with the first delta
     handoff: bool = False  # the sending engine is done; later deltas come from another engine (PE -> DE)
     # with SamplingParams.logprobs >= 0: per token [logprob, [top ids], [top logprobs]]

@@ -175,9 +175,11 @@ async def test_a_prefill_engine_killed_mid_prefill_costs_the_client_nothing_and_
     pd_cluster: dict[str, Any], reference: Reference, nats_server: NatsServer
 ) -> None:
     """Last in the module: it kills the prefill engine while it prefills a long cold prompt (the decode
-    engine holds the turn). The router hears its silence, aborts that attempt and dispatches the request
-    again, which the decode engine prefills itself: the client gets the reference's tokens, no error. Later
-    requests plan around the dead engine."""
+    engine holds the turn, and the PE's KV connection to it is open from a first remote turn). The decode
+    engine sees the connection close and fails the turn naming the PE; the router leaves the PE out of its
+    decisions at once (before its silence is heard: a killed CUDA process can answer its bus for seconds),
+    aborts that attempt and dispatches the request again, once, to the decode engine, which prefills it
+    itself: the client gets the reference's tokens, no error. Later requests plan around the dead engine."""
     url, rng = pd_cluster["url"], random.Random(4)
     pe: ServiceProcess = pd_cluster["pe"]
     long_prompt = [rng.randrange(3, 250) for _ in range(6000)]
@@ -187,6 +189,9 @@ async def test_a_prefill_engine_killed_mid_prefill_costs_the_client_nothing_and_
         if report.num_running + report.num_waiting > 0:
             busy.set()
 
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        warm = [rng.randrange(3, 250) for _ in range(300)]
+        assert (await turn(http, url, reference, warm, "pe-connected"))[0] == "remote/recompute"
     bus = Bus(nats_server.url, pd_cluster["namespace"], name="test-pe-watch")
     await bus.connect()
     try:
@@ -205,7 +210,9 @@ async def test_a_prefill_engine_killed_mid_prefill_costs_the_client_nothing_and_
             assert after["local/recompute"] == before["local/recompute"] + 1  # the decode engine's
     finally:
         await bus.close()
-    assert "dispatched again as" in pd_cluster["router"].log()
+    log = pd_cluster["router"].log()
+    assert "dispatched again as" in log and "engine suspect engine=pe-0" in log, log
+    assert "auto plan failed" not in log, log  # the redispatch never tried the dead PE
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
         deadline = asyncio.get_running_loop().time() + 10
         while not await router_sees_exactly(http, url, 1):  # the router stopped hearing from the PE

@@ -44,6 +44,7 @@ def _random_batch(rng: random.Random) -> TokenBatch:
             delta.timings = {"queue_s": rng.random(), "prefill_s": 1.0}
         if delta.finish_reason == "error":
             delta.error_code, delta.error_message = "engine_failed", "boom"
+            delta.error_engine = rng.choice(["", "pe-0"])  # the peer whose loss failed it
         deltas.append(delta)
     return TokenBatch(engine_id="engine-0", step=rng.randrange(0, 10**6), deltas=deltas)
 

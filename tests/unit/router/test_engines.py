@@ -54,3 +54,20 @@ def test_a_new_format_is_adopted_once_no_live_engine_holds_the_old_one() -> None
     assert table.kv_format == BF16 and "b" not in table.refused
     table.update(report("a", F32, seq=5), now=now)  # "a" comes back with the old format: refused now
     assert "a" in table.refused and ids(table) == {"b"}
+
+
+def test_a_suspect_engine_is_out_of_every_decision_until_it_reports_again() -> None:
+    """Another engine saw it go (its KV connection closed): no snapshot or placement table offers it, its
+    streams are not failed for it (it is not silent), and its next report brings it back."""
+    table = EngineTable(silence_timeout_s=3.0)
+    now = time.monotonic()
+    for engine_id in ("a", "b"):
+        table.update(report(engine_id, F32), now=now)
+    assert {e.engine_id for e in table.load_table(64, now).engines()} == {"a", "b"}
+    assert table.suspect("a") and not table.suspect("a") and not table.suspect("nobody")
+    assert ids(table) == {"b"} and table.silent(now) == []
+    table.note_assigned("a", 100)  # a late note for it does not put it back in the placement table
+    assert {e.engine_id for e in table.load_table(64, now).engines()} == {"b"}
+    table.update(report("a", F32, seq=2), now=now + 0.1)
+    assert ids(table) == {"a", "b"}
+    assert {e.engine_id for e in table.load_table(64, now + 0.1).engines()} == {"a", "b"}

@@ -115,3 +115,16 @@ def test_a_stream_already_finished_is_not_marked_lost() -> None:
     assert table.deliver(batch(d("r1", 0, 5, finish="stop"))) == 1
     table.fail_engine("e1", EngineFailedError("gone"))
     assert s.lost_engine == ""
+
+
+def test_a_silent_engine_fails_each_stream_once() -> None:
+    """The silence sweep runs again while a failed stream waits for its redispatch: it is not failed (nor
+    counted) again."""
+    table = StreamTable()
+    table.open("r1", "pe")
+    table.open("r2", "pe")
+    assert table.fail_engine("pe", EngineFailedError("silent")) == 2
+    assert table.fail_engine("pe", EngineFailedError("silent")) == 0
+    table.restart("r1", "r1-lost1")
+    table.assign("r1-lost1", "pe")  # the new attempt went to it again
+    assert table.fail_engine("pe", EngineFailedError("silent")) == 1
