@@ -342,6 +342,7 @@ class RouterCore:
                 error = error_from_code(code, message)
                 peer_lost = isinstance(error, TransportError) and not num_tokens
                 if peer_lost and last.error_engine and self.engines.suspect(last.error_engine):
+                    metrics.ENGINES_SUSPECTED.inc()
                     log.warning("engine suspect engine=%s: %s", last.error_engine, error.message)
                 if peer_lost and await self._redispatch(stream, again, deadline, usage, error.message):
                     continue

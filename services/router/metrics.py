@@ -42,6 +42,10 @@ REDISPATCHED = Counter(
     "Requests dispatched again because an engine serving them was lost before their first token",
     ["reason"],
 )
+ENGINES_SUSPECTED = Counter(
+    "kvpath_router_engines_suspected_total",
+    "Engines left out of decisions until their next load report, because another engine saw them go",
+)
 TTFT_STAGE = Histogram(
     "kvpath_router_ttft_stage_seconds",
     "Time to first token by stage: schedule, allocate (router), read, import, queue, prefill (engine)",

@@ -199,6 +199,7 @@ async def test_a_prefill_engine_killed_mid_prefill_costs_the_client_nothing_and_
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
             before = await plan_counts(http, url)
             redispatched = await metric(http, url, "kvpath_router_requests_redispatched_total")
+            suspected = await metric(http, url, "kvpath_router_engines_suspected_total")
             request = asyncio.create_task(complete(http, url, long_prompt, 16, "killed-mid-prefill"))
             await asyncio.wait_for(busy.wait(), 30)  # the PE took the prefill
             pe.kill()  # SIGKILL, mid-prefill
@@ -206,6 +207,7 @@ async def test_a_prefill_engine_killed_mid_prefill_costs_the_client_nothing_and_
             after = await plan_counts(http, url)
             assert out["choices"][0]["token_ids"] == await reference.tokens(long_prompt, 16)
             assert await metric(http, url, "kvpath_router_requests_redispatched_total") == redispatched + 1
+            assert await metric(http, url, "kvpath_router_engines_suspected_total") == suspected + 1
             assert after["remote/recompute"] == before["remote/recompute"] + 1  # the attempt the PE took
             assert after["local/recompute"] == before["local/recompute"] + 1  # the decode engine's
     finally:
