@@ -7,14 +7,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 import torch
 
 from gpu.partial_attention import LocalPrefix, attend, finalize, merge
-from gpu.partial_attention_remote import HeldJob, held_partials, query_dim
 from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq
 from gpu.sampling import SamplingOptions
+from tests.unit.gpu.test_gpu_partial_attention import LoopbackExchange
 
 pytestmark = [
     pytest.mark.gpu,
@@ -84,34 +83,6 @@ def cuda_runner(request: pytest.FixtureRequest, cache_dir: str) -> Iterator[Mode
     runner.close()
 
 
-class DeviceHolder:
-    """The holder's code (`held_partials`) over a chunk pinned in the same runner's GPU cache: the query
-    leaves the device as bytes and the packed partial comes back as a host array, as on the wire."""
-
-    def __init__(self, runner: ModelRunner, chunk_blocks: list[int], num_tokens: int):
-        self.runner, self.chunk_blocks, self.num_tokens = runner, chunk_blocks, num_tokens
-        self.fallback_state = None
-        self.layers_routed = 0
-        self._sent: dict[int, memoryview] = {}
-
-    def send(self, layer: int, query: memoryview) -> None:
-        self._sent[layer] = query
-
-    def receive(self, layer: int) -> np.ndarray | None:
-        query = np.frombuffer(self._sent.pop(layer), dtype=np.uint8)
-        spec = self.runner.spec
-        itemsize = self.runner.kv.tensor.element_size()
-        rows = query.size // (spec.num_heads * query_dim(self.runner.model) * itemsize)
-        job = HeldJob(self.chunk_blocks, self.num_tokens, layer, query, rows)
-        (out,) = held_partials(self.runner.model, self.runner.kv.tensor, [job])
-        assert isinstance(out, np.ndarray), out
-        self.layers_routed += 1
-        return np.array(out, copy=True)
-
-    def fallback(self) -> list[int]:
-        raise AssertionError("the holder never fails here")
-
-
 async def generate(
     runner: ModelRunner,
     seq_id: str,
@@ -143,7 +114,7 @@ async def test_routed_prefix_on_the_device_matches_a_cached_prefix(cuda_runner: 
     await runner.prefill([PrefillSeq("held", held, 0, tokens[:chunk], sample=False)])
     rows = runner.kv.tensor[torch.as_tensor(held, device=runner.kv.tensor.device)].permute(1, 0, 2, 3)
     local_rows = rows.reshape(runner.spec.num_layers, -1, runner.spec.kv_dim)[:, :chunk].clone()
-    for prefix in (LocalPrefix(local_rows), DeviceHolder(runner, held, chunk)):
+    for prefix in (LocalPrefix(local_rows), LoopbackExchange(runner, held, tokens[:chunk])):
         local = runner.kv.allocate(-(-(len(tokens) + 8 - chunk) // bs))
         blocks = [runner.kv.null_block] * 2 + local
         got, got_logits = await generate(runner, type(prefix).__name__, blocks, tokens, chunk, prefix, want)
@@ -153,7 +124,7 @@ async def test_routed_prefix_on_the_device_matches_a_cached_prefix(cuda_runner: 
         else:  # bf16 GEMMs of other shapes round differently: judge by mean error and top-1 agreement
             assert (got_logits - want_logits).abs().mean().item() < 0.05
             assert (got_logits.argmax(-1) == want_logits.argmax(-1)).float().mean().item() >= 0.8
-        if isinstance(prefix, DeviceHolder):
+        if isinstance(prefix, LoopbackExchange):
             assert prefix.layers_routed >= 5 * runner.spec.num_layers  # every layer of every step was routed
         runner.kv.free(local)
     runner.kv.free(whole + held)

@@ -158,7 +158,8 @@ class LoopbackExchange:
         query = np.frombuffer(self._sent.pop(layer), dtype=np.uint8)
         if self.layers_routed == self.fail_at:
             return None
-        rows = query.size // (self.runner.spec.num_heads * self._dk() * 4)
+        itemsize = self.runner.kv.tensor.element_size()  # the cache's dtype (a CUDA runner's may be bf16)
+        rows = query.size // (self.runner.spec.num_heads * self._dk() * itemsize)
         job = HeldJob(self.chunk_blocks, self.num_tokens, layer, query, rows)
         (out,) = held_partials(self.runner.model, self.runner.kv.tensor, [job])
         assert isinstance(out, np.ndarray), out
