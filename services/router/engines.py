@@ -35,8 +35,10 @@ class EngineState:
     pending_requests: int = 0
     pending_tokens: int = 0
     pending_kv_tokens: int = 0
-    # another engine saw this one go (its KV data plane broke): out of every decision until it reports again
+    # another engine saw this one go (its KV data plane broke): out of every decision until a report numbered
+    # past `suspect_until_seq` (one it sent before it went may still be on its way) or a restart's
     is_suspect: bool = False
+    suspect_until_seq: int = 0
 
     def snapshot(self, block_size: int) -> EngineSnapshot:
         r = self.report
@@ -78,11 +80,15 @@ class EngineTable:
         self.refused.pop(report.service_id, None)
         if current is not None and (current.report.role, current.report.node) != (report.role, report.node):
             self._forget(report.service_id)  # moved: it leaves its old node, then joins as new
+        state = EngineState(report=report, received_at=now)
         if current is not None and current.is_suspect:
-            self.has_left = True  # it is back: the placement table rebuilds with it
+            if report.seq != 1 and report.seq <= current.suspect_until_seq:
+                state.is_suspect, state.suspect_until_seq = True, current.suspect_until_seq
+            else:
+                self.has_left = True  # it is back: the placement table rebuilds with it
         if report.service_id not in self._engines and report.role == ROLE_STORAGE:
             self._storage_at.setdefault(report.node, {})[report.service_id] = None
-        self._engines[report.service_id] = EngineState(report=report, received_at=now)
+        self._engines[report.service_id] = state
         self._changed[report.service_id] = None
         self._sync.note_report_time(now)
 
@@ -147,13 +153,13 @@ class EngineTable:
 
     def suspect(self, service_id: str) -> bool:
         """Another engine lost its connection to this one: leave it out of the live engines (so no decision
-        picks it) until its next load report. A dead engine stays out, and the silence timeout then fails its
-        streams; a live one is back within a report interval. Its streams are not failed here. True when
-        it was live and is now left out."""
+        picks it) until it reports again, past the report that may have been on its way (seq + 1). A dead
+        engine stays out, and the silence timeout then fails its streams; a live one is back within two
+        report intervals. Its streams are not failed here. True when it was live and is now left out."""
         state = self._engines.get(service_id)
         if state is None or state.is_suspect:
             return False
-        state.is_suspect = True
+        state.is_suspect, state.suspect_until_seq = True, state.report.seq + 1
         self.has_left = True  # the placement table rebuilds without it
         return True
 

@@ -91,15 +91,15 @@ async def test_a_dead_decode_engine_fails_the_request_without_a_retry_on_its_pre
 
 async def test_a_suspect_prefill_engine_is_left_out_until_it_reports_again() -> None:
     """The decode engine saw the PE's KV connection close (`EngineTable.suspect`): the next decision goes
-    local without sending the PE anything, although its silence is not heard yet; its next report brings it
-    back."""
+    local without sending the PE anything, although its silence is not heard yet; a report numbered past
+    the one that may have been on its way brings it back."""
     auto, bus, streams = pd_dispatch(dead=set())
     assert auto.engines.suspect("pe")
     sent = await dispatch_pd(auto, remote_while_a_pe_lives, plan("r"), 1e18, streams, {})
     assert sent.decision.chosen.where == LOCAL and bus.tasks == [("de", "generate_task", "r")]
     state = auto.engines.get("pe")
     assert state is not None
-    auto.engines.update(replace(state.report, seq=state.report.seq + 1), now=time.monotonic())
+    auto.engines.update(replace(state.report, seq=state.report.seq + 2), now=time.monotonic())
     streams.open("r2")
     sent = await dispatch_pd(auto, remote_while_a_pe_lives, plan("r2"), 1e18, streams, {})
     assert sent.decision.chosen.where == REMOTE and ("pe", "prefill_task", "r2") in bus.tasks

@@ -58,7 +58,8 @@ def test_a_new_format_is_adopted_once_no_live_engine_holds_the_old_one() -> None
 
 def test_a_suspect_engine_is_out_of_every_decision_until_it_reports_again() -> None:
     """Another engine saw it go (its KV connection closed): no snapshot or placement table offers it, its
-    streams are not failed for it (it is not silent), and its next report brings it back."""
+    streams are not failed for it (it is not silent); a report it may have sent before it went (the next
+    number) keeps it out, a later one (or a restart's, seq 1) brings it back."""
     table = EngineTable(silence_timeout_s=3.0)
     now = time.monotonic()
     for engine_id in ("a", "b"):
@@ -68,6 +69,11 @@ def test_a_suspect_engine_is_out_of_every_decision_until_it_reports_again() -> N
     assert ids(table) == {"b"} and table.silent(now) == []
     table.note_assigned("a", 100)  # a late note for it does not put it back in the placement table
     assert {e.engine_id for e in table.load_table(64, now).engines()} == {"b"}
-    table.update(report("a", F32, seq=2), now=now + 0.1)
+    table.update(report("a", F32, seq=2), now=now + 0.1)  # sent before it went, maybe
+    assert ids(table) == {"b"}
+    table.update(report("a", F32, seq=3), now=now + 0.1)
     assert ids(table) == {"a", "b"}
     assert {e.engine_id for e in table.load_table(64, now + 0.1).engines()} == {"a", "b"}
+    assert table.suspect("a")
+    table.update(report("a", F32, seq=1), now=now + 0.2)  # restarted: a new process, not the lost one
+    assert ids(table) == {"a", "b"}
