@@ -143,8 +143,9 @@ class PrefixAttention(abc.ABC):
     engine (route), or a local copy of it (after a fetch or a recompute).
 
     The runner calls it from its worker thread, once per layer of every forward the sequence is in, in layer
-    order: `begin` with the layer's query rows (it may start a network exchange and return at once), then,
-    after the local attention ran, `end` for their partial. `end` may block (waiting for a reply) but must
+    order: `begin` with the layer's query rows (it may queue a network exchange and return at once), `flush`
+    once every sequence of the forward began the layer (queued exchanges go out together), then, after the
+    local attention ran, `end` for their partial. `end` may block (waiting for a reply) but must
     return or raise within its own deadline; it never sees another sequence's rows."""
 
     num_tokens: int  # leading positions [0, num_tokens) it covers; the cache holds the rest
@@ -156,6 +157,9 @@ class PrefixAttention(abc.ABC):
     @abc.abstractmethod
     def end(self, layer: int) -> Partial:
         """The partial of the rows given to `begin(layer, ...)` over positions [0, num_tokens)."""
+
+    def flush(self) -> None:  # noqa: B027 (a hook: only a prefix held elsewhere queues anything)
+        """Start what `begin` queued (nothing to do for a prefix computed here)."""
 
 
 class LocalPrefix(PrefixAttention):

@@ -43,7 +43,11 @@ class ChunkExchange(Protocol):
     fallback_state: Any  # what the runtime keeps after a fallback (the engine stores it, drops it on release)
 
     def send(self, layer: int, query: memoryview) -> None:
-        """Ship this layer's query rows (bytes of [T, H, dk] in the cache dtype); must not block."""
+        """Queue or ship this layer's query rows (bytes of [T, H, dk] in the cache dtype); must not block."""
+
+    def flush(self) -> None:
+        """Ship what `send` queued: called once every sequence of the forward sent the layer's rows (an
+        exchange may carry the rows of several sequences); must not block."""
 
     def receive(self, layer: int) -> np.ndarray | None:
         """The reply to `send(layer)`: float32 (o, m, l) rows, T * H * (dv + 2) values; None when the route
@@ -71,6 +75,10 @@ class ExchangedPrefix(PrefixAttention):
             staged = query.contiguous().cpu()  # the bytes on the wire (a copy: the rows are strided)
             self._staged = staged
             self.exchange.send(layer, memoryview(staged.view(torch.uint8).numpy()).cast("B"))
+
+    def flush(self) -> None:
+        if self._staged is not None:
+            self.exchange.flush()
 
     def end(self, layer: int) -> Partial:
         assert self._query is not None and self._split is not None

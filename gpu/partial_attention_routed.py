@@ -2,10 +2,11 @@
 
 When any sequence of a prefill or decode batch carries a `PrefixAttention`, the runner attaches a
 `RoutedBatch` to the `ForwardBatch` and each attention layer hands its queries here instead of to its own
-kernels. Per layer: every prefix gets its rows first (`begin`: a routed prefix sends them to the holder and
-returns), then each sequence's local partial is computed over the positions this cache holds (causal across
-the split), then each prefix's partial is collected (`end`) and merged exactly. The round trips of all routed
-sequences of the batch are in flight together and overlap the local attention of every sequence; a layer's
+kernels. Per layer: every prefix gets its rows first (`begin`: a routed prefix queues them for its holder),
+then `flush` sends them (one exchange per holder for all the batch's sequences routed to it), then each
+sequence's local partial is computed over the positions this cache holds (causal across the split), then each
+prefix's partial is collected (`end`) and merged exactly. The round trips are in flight while the local
+attention of every sequence runs; a layer's
 queries depend on the previous layer's output, so one sequence's layers cannot overlap each other.
 
 A routed sequence's block table still covers its whole context (so the scheduler's accounting is unchanged),
@@ -71,9 +72,11 @@ class RoutedBatch:
     def attend(self, kv: KVLayer, query: torch.Tensor, split: KvSplit, scale: float) -> torch.Tensor:
         """Attention output [T, H, dv] (in the query's dtype) of layer `kv.layer` for the whole batch."""
         layer = kv.layer
-        for s in self.seqs:
-            if s.prefix is not None:
-                s.prefix.begin(layer, query[s.start : s.start + s.num_new], split, scale)
+        routed = [(s, s.prefix) for s in self.seqs if s.prefix is not None]
+        for s, prefix in routed:
+            prefix.begin(layer, query[s.start : s.start + s.num_new], split, scale)
+        for _, prefix in routed:  # the layer's exchanges go out together, before the local attention
+            prefix.flush()
         outputs = []
         for s in self.seqs:
             local = self._local(kv, s, query[s.start : s.start + s.num_new], split, scale)

@@ -2,10 +2,12 @@
 
 `RouteOpen` (NATS, `route.<engine>`) opens a session: the chunk is looked up by hash (unknown: the open fails
 with an error the requester falls back on), an extent of the holder's query region is reserved, and a task
-serves the session: it waits for the requester's query notice (one tag per session; the layer and step are
-in the notice's meta and must come in order), checks it (meta, size, layer, step; NaN or inf rows are refused
-by the runtime), hands it to the batcher, and writes the packed (o, m, l) into the requester's reply extent
-with one write and one notice, or an error notice with no bytes. Every wait is bounded by the request's
+serves the session: it waits for query notices on the session's tag. A notice carries the queries of every
+request of one requester forward that routes here (`PartialQueries`, see shared/protocol/movequery.py), so
+the session whose tag it came on leads a group: each item is checked (an open session of the same requester,
+layer and step in order, size; NaN or inf rows are refused by the runtime), the group goes to the batcher
+at once, and every packed (o, m, l) goes back into its request's reply extent in one write with one notice
+on the lead's reply tag (a refused item gets its error and no bytes). Every wait is bounded by the request's
 deadline and fails at once when the requester's data-plane connection goes; `RouteClose` or either of those
 ends the session and frees what it held.
 
@@ -36,7 +38,9 @@ from shared.protocol.movequery import (
     ChunkList,
     ChunkQuery,
     ChunkUnpin,
+    PartialQueries,
     PartialQuery,
+    PartialReplies,
     PartialReply,
     RouteClose,
     RouteOpen,
@@ -58,6 +62,8 @@ class _Session:
     size_bytes: int
     slot: int
     task: asyncio.Task[None] | None = None
+    step: int = 0  # the step and layer its next query must carry
+    layer: int = 0
 
 
 class HolderBatcher:
@@ -73,14 +79,16 @@ class HolderBatcher:
         self.num_calls = 0
         self.num_jobs = 0
 
-    async def submit(self, job: Any) -> tuple[Any, float, float]:
-        """(packed partial or the refusal, seconds queued, seconds of the call)."""
-        if len(self._queue) >= self.max_pending:
+    async def submit(self, jobs: list[Any]) -> list[tuple[Any, float, float]]:
+        """Per job (all queued at once, so one call takes them together): (packed partial or the refusal,
+        seconds queued, seconds of the call)."""
+        if len(self._queue) + len(jobs) > self.max_pending:
             raise OverloadedError(f"holder has {len(self._queue)} partial-attention queries queued")
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.append((job, future, time.perf_counter()))
+        loop, now = asyncio.get_running_loop(), time.perf_counter()
+        futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in jobs]
+        self._queue.extend((job, future, now) for job, future in zip(jobs, futures, strict=True))
         self._wake.set()
-        return await future  # type: ignore[no-any-return]
+        return list(await asyncio.gather(*futures))
 
     async def run(self) -> None:
         while True:
@@ -246,7 +254,6 @@ class HolderServer:
 
     async def _serve(self, session: _Session) -> None:
         request = session.request
-        step = layer = 0
         try:
             peer = await self.peers.get(peer_ref(request.reply), timeout_s=self.timeout_s)
             while True:
@@ -254,63 +261,95 @@ class HolderServer:
                 notice = await self.receiver.wait(
                     QUERY_REGION, session.slot, timeout_s=max(0.01, remaining), peer_id=request.sender_id
                 )
-                reply, data = await self._answer(session, notice, step, layer)
-                extents = [(request.reply.offset, data)] if data is not None else []
+                replies, extents = await self._answer(session, notice)
                 await peer.write_many(
                     request.reply.region,
                     extents,
                     tag=request.reply.slot,
-                    meta=encode(reply),
+                    meta=encode(replies),
                     timeout_s=self.timeout_s,
                 )
-                if not reply.error:
-                    step, layer = (step + 1, 0) if layer + 1 == self.num_layers else (step, layer + 1)
         except KvpathError as exc:
             log.debug("route session ended request_id=%s: %s", request.request_id, exc.message)
         finally:
             asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._end(session)))
 
-    async def _answer(
-        self, session: _Session, notice: Notice, step: int, layer: int
-    ) -> tuple[PartialReply, Any]:
-        """The reply to one query notice: (meta, packed partial bytes or None with meta.error set)."""
+    async def _answer(self, lead: _Session, notice: Notice) -> tuple[PartialReplies, list[tuple[int, Any]]]:
+        """The reply to one group's query notice: (meta, reply extents of the items answered)."""
         try:
-            query = decode(notice.meta, PartialQuery)
+            queries = decode(notice.meta, PartialQueries)
         except ProtocolError as exc:
-            return PartialReply(step=step, layer=layer, num_tokens=0, error=exc.message), None
+            metrics.HOLDER_REFUSED.inc()
+            return PartialReplies(error=exc.message), []
+        nbytes = sum(item.num_tokens for item in queries.items) * self.query_bytes_per_token
         error = ""
-        nbytes = query.num_tokens * self.query_bytes_per_token
-        if (query.step, query.layer) != (step, layer):
-            error = f"expected step {step} layer {layer}, got step {query.step} layer {query.layer}"
-        elif query.num_tokens <= 0 or nbytes != notice.nbytes or nbytes > session.size_bytes:
-            error = (
-                f"{notice.nbytes} bytes written for {query.num_tokens} query tokens of "
-                f"{self.query_bytes_per_token} bytes"
-            )
+        if not queries.items or queries.items[0].request_id != lead.request.request_id:
+            error = f"the first query must be route session {lead.request.request_id}'s, whose tag it came on"
+        elif nbytes != notice.nbytes:
+            error = f"{notice.nbytes} bytes written for {nbytes} bytes of queries"
         if error:
             metrics.HOLDER_REFUSED.inc()
-            return PartialReply(step=step, layer=layer, num_tokens=query.num_tokens, error=error), None
+            return PartialReplies(error=error), []
+        replies = [
+            PartialReply(request_id=q.request_id, step=q.step, layer=q.layer, num_tokens=q.num_tokens)
+            for q in queries.items
+        ]
+        members: list[tuple[PartialReply, _Session, HeldJob]] = []
+        seen: set[str] = set()
+        for item, reply in zip(queries.items, replies, strict=True):
+            session = self._sessions.get(item.request_id)
+            reply.error = self._refusal(lead, session, item, seen)
+            if reply.error or session is None:
+                metrics.HOLDER_REFUSED.inc()
+                continue
+            seen.add(item.request_id)
+            members.append((reply, session, self._job(session, item)))
+        try:
+            results = await self.batcher.submit([job for _, _, job in members]) if members else []
+        except OverloadedError as exc:
+            results = [(exc.message, 0.0, 0.0)] * len(members)
+        extents: list[tuple[int, Any]] = []
+        for (reply, session, _), (result, queued_s, compute_s) in zip(members, results, strict=True):
+            reply.queue_s, reply.compute_s = queued_s, compute_s
+            if isinstance(result, str):
+                metrics.HOLDER_REFUSED.inc()
+                reply.error = result
+                continue
+            metrics.HOLDER_ROWS.inc(reply.num_tokens)
+            extents.append((session.request.reply.offset, result))
+            session.layer += 1
+            if session.layer == self.num_layers:
+                session.step, session.layer = session.step + 1, 0
+        return PartialReplies(items=replies), extents
+
+    def _refusal(self, lead: _Session, session: _Session | None, item: PartialQuery, seen: set[str]) -> str:
+        """Why one item of a group is refused ("": it is answered)."""
+        if session is None or item.request_id in seen:
+            return f"no open route session {item.request_id} (or named twice)"
+        mine, theirs = session.request, lead.request
+        if (mine.sender_id, mine.reply.engine_id, mine.reply.region) != (
+            theirs.sender_id,
+            theirs.reply.engine_id,
+            theirs.reply.region,
+        ):
+            return f"route session {item.request_id} is not one of this requester's"
+        if (item.step, item.layer) != (session.step, session.layer):
+            return (
+                f"expected step {session.step} layer {session.layer}, got step {item.step} layer {item.layer}"
+            )
+        if item.num_tokens * self.query_bytes_per_token > session.size_bytes:
+            return f"{item.num_tokens} query tokens do not fit the session's extent"
+        return ""
+
+    def _job(self, session: _Session, item: PartialQuery) -> HeldJob:
         chunk, num_blocks = session.chunk, session.request.num_blocks
-        job = HeldJob(
+        return HeldJob(
             block_ids=chunk.block_ids[:num_blocks],
             num_tokens=num_blocks * chunk.block_size,
-            layer=layer,
-            query=self.queries.region.view(session.offset, nbytes),
-            num_query_tokens=query.num_tokens,
+            layer=item.layer,
+            query=self.queries.region.view(session.offset, item.num_tokens * self.query_bytes_per_token),
+            num_query_tokens=item.num_tokens,
         )
-        try:
-            result, queued_s, compute_s = await self.batcher.submit(job)
-        except OverloadedError as exc:
-            result, queued_s, compute_s = exc.message, 0.0, 0.0
-        reply = PartialReply(
-            step=step, layer=layer, num_tokens=query.num_tokens, queue_s=queued_s, compute_s=compute_s
-        )
-        if isinstance(result, str):
-            metrics.HOLDER_REFUSED.inc()
-            reply.error = result
-            return reply, None
-        metrics.HOLDER_ROWS.inc(query.num_tokens)
-        return reply, result
 
     # ------------------------------------------------------------------------------------------ reports
 

@@ -133,3 +133,8 @@ EXCHANGE = Histogram(
     "One layer's route round trip seen by the requester",
     buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
 )
+EXCHANGE_SIZE = Histogram(
+    "kvpath_engine_route_exchange_size",
+    "Routed requests whose queries one route round trip carried (a forward's requests per holder)",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+)

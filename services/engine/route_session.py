@@ -1,11 +1,11 @@
 """The requester side of one routed request: a session with the holder, per-layer exchanges, the fallback.
 
-`RouteSession` is the engine's `ChunkExchange` (gpu/partial_attention_remote.py): the runtime calls `send`
-and `receive` from its worker thread, once per layer of every forward of the sequence; each exchange runs on
-the event loop (`run_coroutine_threadsafe`): one write of the query rows into the holder's extent with a
-notice, then the wait for the holder's notice; the packed partial is read in place from this engine's reply
-region (no copy). `receive` returns None, which makes the runtime fall back inside the same step, when the
-exchange fails, misses `timeout_s`, the holder refuses it, or the cost model says to stop routing (between
+`RouteSession` is the engine's `ChunkExchange` (gpu/partial_attention_remote.py): the runtime calls `send`,
+`flush` and `receive` from its worker thread, once per layer of every forward of the sequence; `send` queues
+the query rows and `flush` sends the queries of every routed sequence of the forward that share a holder as
+one exchange on the event loop (route_exchange.py); the packed partial is read in place from this engine's
+reply region (no copy). `receive` returns None, which makes the runtime fall back inside the same step, when
+the exchange fails, misses `timeout_s`, the holder refuses it, or the cost model says to stop routing (between
 decode steps: the remaining steps at the measured price cost more than taking the chunk here). `fallback`
 then fetches the chunk from the store (a read lease kept until the session is released) or hands back its
 token ids to recompute; either way the request's tokens are the ones it would have produced anyway.
@@ -21,7 +21,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,26 +29,19 @@ import numpy as np
 from services.engine import metrics
 from services.engine.node_storage import NodeStorage
 from services.engine.peers import PeerPool
+from services.engine.route_exchange import REPLY_REGION, Query, RouteExchanges
 from services.engine.route_region import RouteRegion, peer_ref
 from services.engine.sequence import Sequence
 from services.policy.movequery import take_chunk_now
 from shared.bus import Bus
 from shared.errors import KvpathError, TransportError
 from shared.kvclient import ReadLease
-from shared.protocol import Ack, decode, encode
-from shared.protocol.movequery import (
-    HeldPrefix,
-    PartialQuery,
-    PartialReply,
-    RouteClose,
-    RouteOpen,
-    RouteOpened,
-)
+from shared.protocol import Ack
+from shared.protocol.movequery import HeldPrefix, PartialQuery, RouteClose, RouteOpen, RouteOpened
 from shared.transport import KvReceiver
 
 log = logging.getLogger(__name__)
 
-REPLY_REGION = "mq_replies"
 QUARANTINE_S = 30.0  # a failed session's reply extent waits this long before reuse (a late reply may land)
 CLOSE_TIMEOUT_S = 1.0
 
@@ -94,6 +87,7 @@ class RouteContext:
     query_bytes_per_token: int
     partial_bytes_per_token: int
     timeout_s: float  # one exchange (and the session open)
+    exchanges: RouteExchanges = field(default_factory=RouteExchanges)  # queued until the runtime flushes
 
 
 class RouteSession:
@@ -111,7 +105,7 @@ class RouteSession:
         self.step = 0
         self.failure = ""  # why the route was given up ("" while routing)
         self.last_step_s = 0.0  # the last full step's exchanges, for the between-steps re-evaluation
-        self._step_s = 0.0
+        self.step_s = 0.0  # this step's so far (route_exchange.py adds each round trip)
         self._inflight: concurrent.futures.Future[np.ndarray] | None = None
         self._lease: ReadLease | None = None
         self._closed = False
@@ -164,17 +158,36 @@ class RouteSession:
             self._new_step()
         if self.failure:
             return
-        coro = self._exchange(self.step, layer, query)
-        self._inflight = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+        self._inflight = future
+        ctx, num_tokens = self.ctx, len(query) // self.ctx.query_bytes_per_token
+        if (
+            num_tokens * ctx.query_bytes_per_token != len(query)
+            or not 0 < num_tokens <= self.max_query_tokens
+        ):
+            future.set_exception(
+                TransportError(
+                    f"{len(query)} query bytes do not fit the session's {self.max_query_tokens} tokens"
+                )
+            )
+            return
+        item = PartialQuery(
+            request_id=self.seq.request_id, step=self.step, layer=layer, num_tokens=num_tokens
+        )
+        ctx.exchanges.add(Query(self, item, query, future))
+
+    def flush(self) -> None:
+        """Send what the forward's sequences queued for this layer (every session of the engine at once)."""
+        self.ctx.exchanges.flush()
 
     def receive(self, layer: int) -> np.ndarray | None:
         inflight, self._inflight = self._inflight, None
         if self.failure or inflight is None:
             return None
+        self.ctx.exchanges.flush()  # a no-op when the runtime flushed after its sends
         try:
-            packed = inflight.result(timeout=3 * self.ctx.timeout_s)  # the coroutine bounds itself
+            packed = inflight.result(timeout=3 * self.ctx.timeout_s)  # the exchange bounds itself
         except Exception as exc:  # failed, refused, cut off or late: the runtime falls back
-            inflight.cancel()
             reason = exc.code if isinstance(exc, KvpathError) else "deadline"
             self._give_up(reason, getattr(exc, "message", "") or repr(exc))
             return None
@@ -184,7 +197,7 @@ class RouteSession:
 
     def _new_step(self) -> None:
         """Between steps: the route's measured price against taking the chunk here (the cost model)."""
-        self.last_step_s, self._step_s = self._step_s, 0.0
+        self.last_step_s, self.step_s = self.step_s, 0.0
         remaining = self.seq.sampling.max_tokens - len(self.seq.output_token_ids)
         held = self.held
         if self.failure or not self.seq.output_token_ids or held.take_s <= 0 or self.last_step_s <= 0:
@@ -198,38 +211,6 @@ class RouteSession:
             self._give_up(
                 "repriced", f"{remaining} steps at {self.last_step_s * 1e3:.2f} ms cost more than a take"
             )
-
-    async def _exchange(self, step: int, layer: int, query: memoryview) -> np.ndarray:
-        ctx, opened = self.ctx, self.opened
-        assert opened is not None and self.peer is not None
-        started = time.perf_counter()
-        num_tokens = len(query) // ctx.query_bytes_per_token
-        if (
-            num_tokens * ctx.query_bytes_per_token != len(query)
-            or not 0 < num_tokens <= self.max_query_tokens
-        ):
-            raise TransportError(
-                f"{len(query)} query bytes do not fit the session's {self.max_query_tokens} tokens"
-            )
-        meta = encode(PartialQuery(step=step, layer=layer, num_tokens=num_tokens))
-        q = opened.queries
-        await self.peer.write(q.region, q.offset, query, tag=q.slot, meta=meta, timeout_s=ctx.timeout_s)
-        notice = await ctx.receiver.wait(
-            REPLY_REGION, self.slot, timeout_s=ctx.timeout_s, peer_id=opened.sender_id
-        )
-        reply = decode(notice.meta, PartialReply)
-        nbytes = num_tokens * ctx.partial_bytes_per_token
-        if reply.error:
-            raise TransportError(f"holder refused the query: {reply.error}")
-        if (reply.step, reply.layer, reply.num_tokens, notice.nbytes) != (step, layer, num_tokens, nbytes):
-            raise TransportError(
-                f"reply for step {reply.step} layer {reply.layer} ({notice.nbytes} bytes), "
-                f"expected step {step} layer {layer} ({nbytes} bytes)"
-            )
-        elapsed = time.perf_counter() - started
-        self._step_s += elapsed
-        metrics.EXCHANGE.observe(elapsed)
-        return ctx.area.region.view(self.offset, nbytes).view(np.float32)
 
     def _give_up(self, reason: str, detail: str) -> None:
         if self.failure:

@@ -10,14 +10,20 @@ Route, per request (`route.<holder>`, request/reply on NATS, small records only)
                        whose block `num_blocks - 1` hashes to `chunk_hash`; replies go into `reply`
   holder -> requester  `RouteOpened`: write query rows into `queries` (an extent of the holder's region)
   requester -> holder  `RouteClose` when the request is done (or fell back); the holder frees the session
-Per layer of every forward (the KV data plane, shared/transport: a one-sided write, then a notice):
-  requester -> holder  the layer's query rows, bytes of [T, H, dk] in the cache dtype, at the start of the
-                       `queries` extent; notice tag `queries.slot`, meta `PartialQuery` (step, layer, tokens)
-  holder -> requester  (o, m, l) fp32 [T, H, dv + 2] at the start of the `reply` extent; notice tag
-                       `reply.slot`, meta `PartialReply` (with `error` and no bytes when the query was
-                       refused: wrong size, layer out of order, NaN rows, holder overloaded)
+Per layer of every forward (the KV data plane, shared/transport: a one-sided write, then a notice), for all
+the routed requests of one forward that route to the same holder at once (a "group"; its first request leads):
+  requester -> holder  one write: each request's query rows, bytes of [T, H, dk] in the cache dtype, at the
+                       start of its own `queries` extent; notice tag the lead's `queries.slot`, meta
+                       `PartialQueries` (per request: request id, step, layer, tokens)
+  holder -> requester  one attention call for the group, then one write: each request's (o, m, l) fp32
+                       [T, H, dv + 2] at the start of its own `reply` extent; notice tag the lead's
+                       `reply.slot`, meta `PartialReplies` (a request's `error` set, and no bytes for it, when
+                       its query was refused: wrong size, layer out of order, NaN rows, not a session of the
+                       lead's requester, holder overloaded; the batch's `error` refuses them all)
 A requester sends layer l + 1 only after the reply to layer l arrived, so each extent (and each notice tag)
-holds one layer at a time; step and layer travel in the meta and must come in order.
+holds one layer at a time; step and layer travel in the meta and must come in order. One write and one
+notice per group and layer, not per request, is what keeps a requester decoding many routed sub-agents from
+spending a message per request, layer and step.
 """
 
 from __future__ import annotations
@@ -98,25 +104,46 @@ class RouteClose(Message):
 
 @message
 class PartialQuery(Message):
-    """Notice meta of a layer's query rows (requester -> holder)."""
+    """One request's part of a `PartialQueries` notice (requester -> holder)."""
 
     KIND = "partial_query"
+    RANGES = {"step": (0, None), "layer": (0, None), "num_tokens": (1, None)}
+    request_id: str
     step: int
     layer: int
     num_tokens: int
 
 
 @message
+class PartialQueries(Message):
+    """Notice meta of a group's query rows for one layer: one item per request, in the order written."""
+
+    KIND = "partial_queries"
+    items: list[PartialQuery] = field(default_factory=list)
+
+
+@message
 class PartialReply(Message):
-    """Notice meta of a layer's partial (holder -> requester); `error` set: refused, no bytes written."""
+    """One request's part of a `PartialReplies` notice; `error` set: refused, no bytes written for it."""
 
     KIND = "partial_reply"
+    request_id: str
     step: int
     layer: int
     num_tokens: int
     error: str = ""
     queue_s: float = 0.0  # time the query waited for the holder's attention call
     compute_s: float = 0.0  # the call itself (shared with the requests batched into it)
+
+
+@message
+class PartialReplies(Message):
+    """Notice meta of a group's partials (holder -> requester), the items in the queries' order; `error` set:
+    the whole notice was refused (malformed, sizes that do not add up) and no bytes were written."""
+
+    KIND = "partial_replies"
+    items: list[PartialReply] = field(default_factory=list)
+    error: str = ""
 
 
 @message

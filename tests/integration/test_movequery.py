@@ -127,12 +127,15 @@ async def test_fan_in_routes_to_the_holder_with_identical_tokens_and_survives_it
         ready = await wait_ready(bus, ids, s.procs, num_engines=3)
         outs = await asyncio.gather(*(complete(http, url, p, 24, f"a{i}") for i, p in enumerate(agents)))
         assert [tokens(o) for o in outs] == want
-        routed = 0.0
+        routed = exchanges = carried = 0.0
         for engine_id in ("engine-1", "engine-2"):
             text = await engine_metrics(http, ready[engine_id].http_url)
             routed += counter(text, "kvpath_engine_route_requests_total", primitive="route")
             assert "kvpath_engine_route_fallbacks_total{" not in text  # none fell back, for any reason
+            exchanges += counter(text, "kvpath_engine_route_exchange_size_count")
+            carried += counter(text, "kvpath_engine_route_exchange_size_sum")
         assert routed == len(agents)  # each agent's document attended on the holder
+        assert carried > exchanges > 0  # agents in one forward shared their round trips to the holder
         text = await engine_metrics(http, ready["engine-0"].http_url)
         assert counter(text, "kvpath_engine_holder_query_tokens_total") > 0
         assert counter(text, "kvpath_engine_holder_sessions_total", outcome="opened") == len(agents)

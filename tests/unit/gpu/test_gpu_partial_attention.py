@@ -149,10 +149,14 @@ class LoopbackExchange:
         self.fail_at = fail_at
         self.fetch = False  # the fallback fetches the chunk's blocks (else: recomputes them)
         self.layers_routed = 0
+        self.flushed = 0
         self._sent: dict[int, memoryview] = {}
 
     def send(self, layer: int, query: memoryview) -> None:
         self._sent[layer] = query
+
+    def flush(self) -> None:
+        self.flushed += 1
 
     def receive(self, layer: int) -> np.ndarray | None:
         query = np.frombuffer(self._sent.pop(layer), dtype=np.uint8)
