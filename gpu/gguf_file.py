@@ -1,10 +1,10 @@
 """GGUF files (llama.cpp's single-file format): metadata -> `ArchConfig`, tokenizer parts. No torch.
 
-The `gguf` package (from llama.cpp) parses the file and memory-maps its tensors (through a plain ndarray view
-of its memory map: `_plain_reader`). The architecture's metadata
-is rewritten as the config.json transformers would have, so one parser (`gpu.arch_config`) checks both
-formats. A file that is not GGUF, is cut short, or names an architecture or quantization this runtime does
-not read fails with one `CheckpointError` / `UnsupportedModelError` naming the file.
+The `gguf` package (from llama.cpp) parses the file and memory-maps its tensors (read through a plain ndarray
+view of the map: `_plain_reader`). The architecture's metadata is rewritten as the config.json transformers
+would have, so one parser (`gpu.arch_config`) checks both formats. A file that is not GGUF, is cut short, or
+names an architecture or quantization this runtime does not read fails with one `CheckpointError` /
+`UnsupportedModelError` naming the file.
 """
 
 from __future__ import annotations

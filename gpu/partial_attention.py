@@ -173,8 +173,8 @@ class PrefixAttention(abc.ABC):
     The runner calls it from its worker thread, once per layer of every forward the sequence is in, in layer
     order: `begin` with the layer's query rows (it may queue a network exchange and return at once), `flush`
     once every sequence of the forward began the layer (queued exchanges go out together), then, after the
-    local attention ran, `end` for their partial. `end` may block (waiting for a reply) but must
-    return or raise within its own deadline; it never sees another sequence's rows."""
+    local attention ran, `end` for their partial. `end` may block (waiting for a reply) but must return or
+    raise within its own deadline; it never sees another sequence's rows."""
 
     num_tokens: int  # leading positions [0, num_tokens) it covers; the cache holds the rest
 

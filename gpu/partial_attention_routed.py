@@ -6,8 +6,8 @@ kernels. Per layer: every prefix gets its rows first (`begin`: a routed prefix q
 then `flush` sends them (one exchange per holder for all the batch's sequences routed to it), then each
 sequence's local partial is computed over the positions this cache holds (causal across the split), then each
 prefix's partial is collected (`end`) and merged exactly. The round trips are in flight while the local
-attention of every sequence runs; a layer's
-queries depend on the previous layer's output, so one sequence's layers cannot overlap each other.
+attention of every sequence runs; a layer's queries depend on the previous layer's output, so one sequence's
+layers cannot overlap each other.
 
 A routed sequence's block table still covers its whole context (so the scheduler's accounting is unchanged),
 but its first `prefix.num_tokens // block_size` entries are placeholders (`PagedKVCache.null_block`) that are
