@@ -231,6 +231,8 @@ async def test_routed_prefix_gives_the_tokens_of_a_cached_prefix(runner: ModelRu
     assert (got_logits - want_logits).abs().max().item() < 1e-4
     if source.startswith("fallback"):
         assert prefix.fallback_state is not None and prefix.layers_routed == 2  # type: ignore[attr-defined]
+    if source == "loopback":  # the runtime flushed every routed layer's send once, before its receive
+        assert prefix.flushed == prefix.layers_routed == 7 * runner.spec.num_layers  # type: ignore[attr-defined]
     free_before = runner.kv.num_free_blocks
     runner.kv.free(blocks)  # the placeholders are skipped
     assert runner.kv.num_free_blocks == free_before + len(local)
