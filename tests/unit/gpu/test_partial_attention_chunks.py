@@ -1,51 +1,100 @@
-"""The score chunk of `attend`: sized to the CPU's L2 cache (read from sysfs), and exact whatever its size."""
+"""The two ways `attend` computes a partial: row chunks of scores (GPU; m = the max logit) and torch's fused
+CPU kernel (m = the log-sum-exp, l = 1). Both are exact whatever the chunk or mask block, and they merge."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
 
 import gpu.partial_attention as pa
 
-
-def write_cache(root: Path, index: int, level: int, kind: str, size: str) -> None:
-    d = root / f"index{index}"
-    d.mkdir(parents=True)
-    (d / "level").write_text(f"{level}\n")
-    (d / "type").write_text(f"{kind}\n")
-    (d / "size").write_text(f"{size}\n")
+# heads, groups, dk, dv
+SHAPES = {"gqa": (8, 2, 16, 12), "mla": (16, 1, 72, 64), "wide-values": (4, 4, 8, 24)}
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def test_the_l2_size_is_read_from_sysfs_and_defaults_when_it_says_nothing(tmp_path: Path) -> None:
-    write_cache(tmp_path / "a", 0, 1, "Data", "32K")
-    write_cache(tmp_path / "a", 1, 1, "Instruction", "32K")
-    write_cache(tmp_path / "a", 2, 2, "Unified", "1024K")
-    write_cache(tmp_path / "a", 3, 3, "Unified", "32768K")
-    assert pa.l2_cache_bytes(tmp_path / "a") == 1 << 20
-    write_cache(tmp_path / "b", 0, 2, "Unified", "2M")
-    assert pa.l2_cache_bytes(tmp_path / "b") == 2 << 20
-    write_cache(tmp_path / "c", 0, 2, "Unified", "big")  # unreadable size
-    assert pa.l2_cache_bytes(tmp_path / "c") == pa.DEFAULT_L2_BYTES
-    assert pa.l2_cache_bytes(tmp_path / "missing") == pa.DEFAULT_L2_BYTES
+def inputs(shape: str, num_rows: int = 37, num_keys: int = 300) -> Inputs:
+    heads, groups, dk, dv = SHAPES[shape]
+    gen = torch.Generator().manual_seed(len(shape))
+    return (
+        torch.randn(num_rows, heads, dk, generator=gen),
+        torch.randn(num_keys, groups, dk, generator=gen),
+        torch.randn(num_keys, groups, dv, generator=gen),
+    )
 
 
-def test_a_cpu_chunk_fills_the_l2_cache_and_a_gpu_chunk_keeps_the_fixed_bound() -> None:
-    assert pa.score_elements(torch.device("cpu")) == max(1 << 14, pa.l2_cache_bytes() // 4)
-    assert pa.score_elements(torch.device("meta")) == pa.SCORE_ELEMENTS
+def causal(num_rows: int = 37, num_keys: int = 300) -> dict[str, torch.Tensor]:
+    return {
+        "query_positions": torch.arange(num_keys - num_rows, num_keys),
+        "key_positions": torch.arange(num_keys),
+    }
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_any_chunk_size_gives_the_same_partial(monkeypatch: pytest.MonkeyPatch, causal: bool) -> None:
-    torch.manual_seed(0)
-    query, keys, values = torch.randn(37, 8, 16), torch.randn(300, 2, 16), torch.randn(300, 2, 12)
-    positions = {}
-    if causal:
-        positions = {"query_positions": torch.arange(263, 300), "key_positions": torch.arange(300)}
-    whole = pa.attend(query, keys, values, 0.25, **positions)
+def test_a_cpu_partial_comes_from_the_fused_kernel_and_a_chunked_one_from_the_max_logit() -> None:
+    query, keys, values = inputs("gqa")
+    fused = pa.attend(query, keys, values, 0.25)
+    torch.testing.assert_close(fused.l, torch.ones_like(fused.l))  # normalised output at the log-sum-exp
+    chunked = pa._attend_chunked(query, keys, values, 0.25, None)
+    scores = torch.einsum("thd,shd->ths", query, keys.repeat_interleave(4, dim=1)) * 0.25
+    torch.testing.assert_close(chunked.m, scores.amax(-1))
+    torch.testing.assert_close(fused.m, scores.logsumexp(-1))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_fused_and_chunked_partials_are_the_same_attention_and_merge(shape: str, masked: bool) -> None:
+    query, keys, values = inputs(shape)
+    positions = causal() if masked else {}
+    fused = pa.attend(query, keys, values, 0.25, **positions)
+    visible = None
+    if masked:
+        visible = positions["key_positions"][None, :] <= positions["query_positions"][:, None]
+    chunked = pa._attend_chunked(query, keys, values, 0.25, visible)
+    torch.testing.assert_close(pa.finalize(fused), pa.finalize(chunked), rtol=1e-6, atol=1e-6)
+    cut = 150  # a chunked holder's partial over the first keys, a fused requester's over the rest
+    split_pos = {k: v[cut:] if k == "key_positions" else v for k, v in positions.items()}
+    head = None if visible is None else visible[:, :cut]
+    first = pa._attend_chunked(query, keys[:cut], values[:cut], 0.25, head)
+    rest = pa.attend(query, keys[cut:], values[cut:], 0.25, **split_pos)
+    merged = pa.finalize(pa.merge([first, rest]))
+    torch.testing.assert_close(merged, pa.finalize(chunked), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal_mask", [False, True])
+def test_any_chunk_size_gives_the_same_partial(monkeypatch: pytest.MonkeyPatch, causal_mask: bool) -> None:
+    query, keys, values = inputs("gqa")
+    visible = torch.arange(300)[None, :] <= torch.arange(263, 300)[:, None] if causal_mask else None
+    whole = pa._attend_chunked(query, keys, values, 0.25, visible)
     for elements in (1, 8 * 300 * 5, 8 * 300 * 36):  # one row, 5 rows and 36 rows per chunk
-        monkeypatch.setattr(pa, "score_elements", lambda device, n=elements: n)
+        monkeypatch.setattr(pa, "SCORE_ELEMENTS", elements)
+        part = pa._attend_chunked(query, keys, values, 0.25, visible)
+        for a, b in ((whole.o, part.o), (whole.m, part.m), (whole.l, part.l)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_any_mask_block_gives_the_same_partial_and_a_row_that_sees_no_key_is_empty(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    query, keys, values = inputs("gqa", num_rows=6, num_keys=40)
+    positions = {"query_positions": torch.tensor([-1, 3, 39, -5, 20, 0]), "key_positions": torch.arange(40)}
+    whole = pa.attend(query, keys, values, 0.25, **positions)
+    for elements in (1, 4 * 40 * 4):  # one row per block, four rows per block
+        monkeypatch.setattr(pa, "MASK_ELEMENTS", elements)
         part = pa.attend(query, keys, values, 0.25, **positions)
         for a, b in ((whole.o, part.o), (whole.m, part.m), (whole.l, part.l)):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for row in (0, 3):  # positions before every key: the merge's identity, not the kernel's lse = 0
+        assert torch.isneginf(whole.m[row]).all() and (whole.l[row] == 0).all() and (whole.o[row] == 0).all()
+    assert torch.isfinite(whole.m[[1, 2, 4, 5]]).all()
+    only_first = pa.attend(query[5:], keys[:1], values[:1], 0.25)  # position 0 sees key 0 alone
+    torch.testing.assert_close(pa.finalize(whole)[5], pa.finalize(only_first)[0])
+
+
+def test_absorbed_mla_values_read_in_place_from_the_keys_give_the_same_partial() -> None:
+    query, keys, _ = inputs("mla")
+    in_place = pa.attend(query, keys, keys[..., :64], 0.25)  # a view: the kernel reads the keys as values
+    copied = pa.attend(query, keys, keys[..., :64].clone(), 0.25)  # a separate tensor: zero-padded
+    assert pa._leads(keys[..., :64], keys) and not pa._leads(keys[..., :64].clone(), keys)
+    assert not pa._leads(keys[..., 8:], keys)
+    for a, b in ((in_place.o, copied.o), (in_place.m, copied.m), (in_place.l, copied.l)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
