@@ -195,23 +195,30 @@ async def _measure(
 async def _route_points(
     ends: dict[str, tuple[Any, ...]], shape: Any, tokens: list[int], chunks: list[int], repeats: int
 ) -> dict[str, list[dict[str, Any]]]:
-    """Per point (chunk, M_q) the repeats of every backend alternate, so a neighbour's burst on this shared
-    machine lands on the backends alike instead of on whichever ran during it."""
+    """Every repeat sweeps every point (chunk, M_q, backend) once, and a point's figure is the median over
+    the sweeps: a neighbour's burst on this shared machine then lands on one repeat of many points, which
+    the median drops, instead of on every repeat of the few points measured during it. The first sweep warms
+    up and is not counted."""
     from gpu.movequery_timing import HolderKernel, Merger, random_query
 
-    points: dict[str, list[dict[str, Any]]] = {backend: [] for backend in ends}
-    for chunk in chunks:
-        kernel = HolderKernel(shape, chunk)
-        for n in tokens:
-            merger, query = Merger(shape, n), random_query(shape, n)
-            times: dict[str, list[float]] = {backend: [] for backend in ends}
-            for _ in range(repeats + 1):
+    kernels = {chunk: HolderKernel(shape, chunk) for chunk in chunks}
+    mergers = {n: (Merger(shape, n), random_query(shape, n)) for n in tokens}
+    times: dict[tuple[str, int, int], list[float]] = {}
+    for sweep in range(repeats + 1):
+        for chunk, kernel in kernels.items():
+            for n, (merger, query) in mergers.items():
                 for backend, backend_ends in ends.items():
-                    times[backend].append(await _exchange(backend_ends, kernel, merger, query, n))
-            for backend, measured in times.items():
-                rows = n * shape.num_heads
-                points[backend].append({"rows": rows, "chunk": chunk, "s": statistics.median(measured[1:])})
-    return points
+                    elapsed = await _exchange(backend_ends, kernel, merger, query, n)
+                    if sweep:
+                        times.setdefault((backend, chunk, n), []).append(elapsed)
+    return {
+        backend: [
+            {"rows": n * shape.num_heads, "chunk": chunk, "s": statistics.median(times[backend, chunk, n])}
+            for chunk in chunks
+            for n in tokens
+        ]
+        for backend in ends
+    }
 
 
 async def _exchange(ends: tuple[Any, ...], kernel: Any, merger: Any, query: np.ndarray, n: int) -> float:
@@ -274,13 +281,15 @@ def _weighted_fit(columns: list[list[float]], target: list[float]) -> list[float
 
 
 def calibrate(shape: ModelShape, measured: dict[str, Any], backends: list[str]) -> CostProfile:
-    # one joint fit: probe and byte rate per backend, the holder's attention per row x key shared by all
-    columns: list[list[float]] = [[] for _ in range(2 * len(backends) + 1)]
+    # one joint fit: probe and byte rate per backend; the holder's attention per key (its KV read once per
+    # call) and per row x key, shared by all
+    columns: list[list[float]] = [[] for _ in range(2 * len(backends) + 2)]
     target = []
     for i, backend in enumerate(backends):
         for p in measured["route"][backend]:
-            for j, column in enumerate(columns[:-1]):
+            for j, column in enumerate(columns[:-2]):
                 column.append((1.0 if j % 2 == 0 else float(p["rows"])) if j // 2 == i else 0.0)
+            columns[-2].append(float(p["chunk"]))
             columns[-1].append(float(p["rows"] * p["chunk"]))
             target.append(p["s"])
     coef = _weighted_fit(columns, target)
@@ -293,7 +302,7 @@ def calibrate(shape: ModelShape, measured: dict[str, Any], backends: list[str]) 
     fixed, per_byte = _weighted_fit([[1.0] * len(fetch), chunk_bytes], list(fetch.values()))
     local = measured["local"]
     (c,) = _weighted_fit([[t * shape.num_layers for t in local]], list(local.values()))
-    compute = Compute(local_s_per_token_layer=c, attention_s_per_row_key=coef[-1])
+    compute = Compute(c, attention_s_per_key=coef[-2], attention_s_per_row_key=coef[-1])
     return CostProfile(shape, compute, fabrics, 1.0 / max(per_byte, 1e-15), fetch_fixed_s=fixed)
 
 

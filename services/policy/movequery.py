@@ -77,12 +77,13 @@ class ModelShape:
 
 @dataclass(frozen=True, slots=True)
 class Compute:
-    """Time of the attention work itself: holder's partial (fixed + per query row x key), requester's
-    merge (per row), local prefill of a chunk (c per token and layer), the splice of fetched KV (fixed + per
-    byte into the cache)."""
+    """Time of the attention work itself: holder's partial (fixed + per key, the chunk's KV read once per
+    call, + per query row x key), requester's merge (per row), local prefill of a chunk (c per token and
+    layer), the splice of fetched KV (fixed + per byte into the cache)."""
 
     local_s_per_token_layer: float  # c
     attention_s: float = 0.0  # fixed cost of one partial-attention call
+    attention_s_per_key: float = 0.0
     attention_s_per_row_key: float = 0.0
     merge_s_per_row: float = 0.0
     splice_s: float = 0.0
@@ -117,7 +118,7 @@ def route_exchange_s(
     plus the time the holder's queue holds it."""
     c = profile.compute
     transport = fabric.exchange_s(num_rows * profile.shape.row_bytes)
-    holder = c.attention_s + c.attention_s_per_row_key * num_rows * chunk_tokens
+    holder = local_attention_s(profile, num_rows, chunk_tokens)
     return transport + holder + c.merge_s_per_row * num_rows + queue_s
 
 
@@ -137,7 +138,7 @@ def local_s(profile: CostProfile, chunk_tokens: int) -> float:
 def local_attention_s(profile: CostProfile, num_rows: int, chunk_tokens: int) -> float:
     """Attending the chunk here (after a fetch or a recompute), one layer: the compute a route ships away."""
     c = profile.compute
-    return c.attention_s + c.attention_s_per_row_key * num_rows * chunk_tokens
+    return c.attention_s + (c.attention_s_per_key + c.attention_s_per_row_key * num_rows) * chunk_tokens
 
 
 # ------------------------------------------------------------------------------------------- the predicate
@@ -275,7 +276,7 @@ def route_fetch_crossover_rows(profile: CostProfile, fabric: Fabric, chunk_token
     per_row = profile.shape.row_bytes / fabric.bandwidth_bytes_per_s
     c = profile.compute
     per_row += c.attention_s_per_row_key * chunk_tokens + c.merge_s_per_row
-    fixed = fabric.t_probe_s + fabric.t_turn_s + c.attention_s
+    fixed = fabric.t_probe_s + fabric.t_turn_s + c.attention_s + c.attention_s_per_key * chunk_tokens
     return max(0.0, (fetch_s(profile, chunk_tokens) - fixed) / per_row)
 
 

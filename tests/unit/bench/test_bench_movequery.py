@@ -22,10 +22,10 @@ SHAPE = ModelShape(
 
 
 def synthetic() -> dict:
-    """Points made by probe 0.5 ms + rows x 264 B at 1 GB/s + 2 ns per row x key; fetch 0.4 ms + bytes at
-    4 GB/s; local 1 us per token x layer."""
+    """Points made by probe 0.5 ms + rows x 264 B at 1 GB/s + 30 ns per key + 2 ns per row x key; fetch 0.4
+    ms + bytes at 4 GB/s; local 1 us per token x layer."""
     route = [
-        {"rows": r, "chunk": c, "s": 5e-4 + r * 264 / 1e9 + 2e-9 * r * c}
+        {"rows": r, "chunk": c, "s": 5e-4 + r * 264 / 1e9 + 3e-8 * c + 2e-9 * r * c}
         for r in (8, 64, 256, 1024)
         for c in (256, 4096)
     ]
@@ -40,6 +40,7 @@ def test_calibration_recovers_the_constants_and_the_report_has_the_json_fields()
     assert fabric.t_probe_s == pytest.approx(5e-4, rel=1e-6)
     assert fabric.bandwidth_bytes_per_s == pytest.approx(1e9, rel=1e-6)
     assert profile.compute.attention_s_per_row_key == pytest.approx(2e-9, rel=1e-6)
+    assert profile.compute.attention_s_per_key == pytest.approx(3e-8, rel=1e-6)
     assert profile.fetch_bandwidth_bytes_per_s == pytest.approx(4e9, rel=1e-6)
     assert profile.compute.local_s_per_token_layer == pytest.approx(1e-6, rel=1e-6)
     report = build_report(profile, measured, ["shm"], 3e-7)
