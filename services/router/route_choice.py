@@ -27,6 +27,7 @@ from services.policy.movequery import (
     ModelShape,
     Primitive,
     RouteRequest,
+    can_take_chunk,
     choose,
     fetch_s,
     local_attention_s,
@@ -162,7 +163,7 @@ class HeldRouting:
             can_fetch=num_store >= n,
         )
         primitive = self._primitive(self.profile or fallback_profile(shape), request, chosen)
-        plan.kv.held = self._held(plan, holder_id, n, num_store, primitive, shape)
+        plan.kv.held = self._held(plan, holder_id, n, num_store, primitive, shape, can_take_chunk(request))
         self.engines.note_kv_reserved(engine_id, resident_kv_tokens(primitive, request))
         metrics.MOVEQUERY_CHOICES.labels(str(primitive)).inc()
 
@@ -193,14 +194,17 @@ class HeldRouting:
         num_store: int,
         primitive: Primitive,
         shape: ModelShape,
+        room: bool,
     ) -> HeldPrefix:
-        """The plan's move-the-query part; the hit blocks set for the primitive."""
+        """The plan's move-the-query part; the hit blocks set for the primitive. `room`: the requester can
+        take a copy of the chunk (`can_take_chunk`); a request routed without it is never repriced into
+        taking one between decode steps (the copy would take the memory routing left to the others)."""
         profile = self.profile or fallback_profile(shape)
         chunk = n * self._block_size()
         take = local_s(profile, chunk)
         if num_store >= n:
             take = min(take, fetch_s(profile, chunk))
-        if self.mode != "auto":
+        if self.mode != "auto" or not room:
             take = 0.0  # a forced primitive is never repriced between decode steps
         if primitive is Primitive.LOCAL:
             plan.kv.num_hit_blocks = 0  # recompute the chunk here

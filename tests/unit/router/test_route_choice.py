@@ -106,7 +106,9 @@ def test_auto_routes_the_burst_the_requester_cannot_hold_copies_for() -> None:
     """Memory-bound fan-in: sub-agents of one 2048-token document (32 blocks) reach a requester with 96 free
     blocks at once. Each fetch keeps a copy of the document there (counted before the next report), so auto
     fetches while two more copies fit, then routes (suffix + answer only); queued work the engine reports
-    counts as taken; a holder without room for the request is not picked in auto either."""
+    counts as taken; a holder without room for the request is not picked in auto either. A request routed
+    for want of room is never repriced into taking a copy between decode steps (take_s 0): the copy would
+    be the memory the route saved."""
     routing = HeldRouting(table(free_kv_blocks=96), mode="auto", profile=None, fabric="shm")
     locality = {"held:e0": 32, "store": 32}
     choices = []
@@ -114,8 +116,8 @@ def test_auto_routes_the_burst_the_requester_cannot_hold_copies_for() -> None:
         p = plan(64 * 32 + 300, 32, hits=32)
         routing.apply(p, "e1", locality)
         assert p.kv.held is not None
-        choices.append(p.kv.held.primitive)
-    assert choices == ["fetch", "route", "route", "route", "route", "route"]
+        choices.append((p.kv.held.primitive, p.kv.held.take_s > 0))
+    assert choices == [("fetch", True)] + [("route", False)] * 5
     assert routing.free_kv_tokens("e1") == 96 * 64 - (2048 + 332) - 5 * 332
     queued = table(free_kv_blocks=96, waiting={"e1": 3000})
     p = plan(64 * 32 + 300, 32, hits=32)
