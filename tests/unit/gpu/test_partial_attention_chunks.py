@@ -11,6 +11,7 @@ import gpu.partial_attention as pa
 # heads, groups, dk, dv
 SHAPES = {"gqa": (8, 2, 16, 12), "mla": (16, 1, 72, 64), "wide-values": (4, 4, 8, 24)}
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+KERNELS = 2e-6  # two kernels' fp32 round-off, relative to the largest output (1.05e-6 seen on torch 2.11)
 
 
 def inputs(shape: str, num_rows: int = 37, num_keys: int = 300) -> Inputs:
@@ -28,6 +29,10 @@ def causal(num_rows: int = 37, num_keys: int = 300) -> dict[str, torch.Tensor]:
         "query_positions": torch.arange(num_keys - num_rows, num_keys),
         "key_positions": torch.arange(num_keys),
     }
+
+
+def same_attention(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return float((got - want).abs().max()) <= KERNELS * float(want.abs().max())
 
 
 def test_a_cpu_partial_comes_from_the_fused_kernel_and_a_chunked_one_from_the_max_logit() -> None:
@@ -50,14 +55,14 @@ def test_fused_and_chunked_partials_are_the_same_attention_and_merge(shape: str,
     if masked:
         visible = positions["key_positions"][None, :] <= positions["query_positions"][:, None]
     chunked = pa._attend_chunked(query, keys, values, 0.25, visible)
-    torch.testing.assert_close(pa.finalize(fused), pa.finalize(chunked), rtol=1e-6, atol=1e-6)
+    assert same_attention(pa.finalize(fused), pa.finalize(chunked))
     cut = 150  # a chunked holder's partial over the first keys, a fused requester's over the rest
     split_pos = {k: v[cut:] if k == "key_positions" else v for k, v in positions.items()}
     head = None if visible is None else visible[:, :cut]
     first = pa._attend_chunked(query, keys[:cut], values[:cut], 0.25, head)
     rest = pa.attend(query, keys[cut:], values[cut:], 0.25, **split_pos)
     merged = pa.finalize(pa.merge([first, rest]))
-    torch.testing.assert_close(merged, pa.finalize(chunked), rtol=1e-6, atol=1e-6)
+    assert same_attention(merged, pa.finalize(chunked))
 
 
 @pytest.mark.parametrize("causal_mask", [False, True])
