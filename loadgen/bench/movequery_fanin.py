@@ -7,7 +7,8 @@ on engine-0 alone (it pins it and the store keeps it); then, for each N, N sub-a
 own suffix of 64-512 tokens) stream at once. Per row: TTFT p50, decode tokens/s (median over the sub-agents
 of each one's tokens after its first over the time they took) and the KV bytes the
 sub-agents keep resident on the requesters (document + suffix + output per fetched or recomputed request,
-suffix + output per routed one: the router's choices counted from its metrics), and how many sub-agents
+suffix + output per routed one: the router's choices counted from its metrics; a routed one that fell back,
+counted from the requesters' metrics, keeps a private copy of the document too), and how many sub-agents
 were served at once (`peak_concurrent`: most streams between their first and last token at one time) and
 how long the whole fan-in took (`makespan_s`).
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -40,8 +42,10 @@ READY_TIMEOUT_S = 120.0
 HOLDER_SLACK_BLOCKS = 4  # memory-bound holder: room to prefill the document once, never a sub-agent
 
 
-def _engine_args(*, holds: bool, doc_tokens: int, kv_blocks: int = 0) -> list[str]:
+def _engine_args(*, holds: bool, doc_tokens: int, kv_blocks: int = 0, threads: int = 0) -> list[str]:
     args = ["--move-query", "--kv-backends", "shm", "--route-timeout-s", "5"]
+    if threads > 0:
+        args += ["--num-threads", str(threads)]
     if holds:
         if kv_blocks > 0:
             args += ["--num-kv-blocks", str(-(-doc_tokens // BLOCK) + HOLDER_SLACK_BLOCKS)]
@@ -49,6 +53,13 @@ def _engine_args(*, holds: bool, doc_tokens: int, kv_blocks: int = 0) -> list[st
     if kv_blocks > 0:
         args += ["--num-kv-blocks", str(kv_blocks)]
     return [*args, "--no-persist-kv"]
+
+
+def engine_threads(num_engines: int, cores: int | None = None) -> int:
+    """torch threads per engine when `num_engines` share this host's cores, as engines pinned to disjoint
+    cores would have (at least 1): torch's default of one thread per core in every engine oversubscribes a
+    small host, and its spinning workers then slow whichever primitive keeps the most engines busy."""
+    return max(1, (cores or os.cpu_count() or 1) // num_engines)
 
 
 async def _until(check: Any, what: str, timeout_s: float = READY_TIMEOUT_S) -> Any:
@@ -115,13 +126,24 @@ def peak_concurrent(spans: list[tuple[float, float]]) -> int:
 
 
 async def _choices(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    return await _counter(http, url, "kvpath_router_movequery_choices_total", "primitive")
+
+
+async def _fallbacks(http: aiohttp.ClientSession, urls: list[str]) -> float:
+    """Routed requests that fell back on the requesters, for any reason (repriced, failed, deadline...)."""
+    counts = [await _counter(http, u, "kvpath_engine_route_fallbacks_total", "reason") for u in urls]
+    return sum(sum(c.values()) for c in counts)
+
+
+async def _counter(http: aiohttp.ClientSession, url: str, name: str, label: str) -> dict[str, float]:
+    """A labelled counter of one service's `/metrics`: label value -> count."""
     async with http.get(f"{url}/metrics") as resp:
         text = await resp.text()
     out = {}
     for line in text.splitlines():
-        if line.startswith("kvpath_router_movequery_choices_total{"):
-            primitive = line.split('primitive="', 1)[1].split('"', 1)[0]
-            out[primitive] = float(line.rsplit(" ", 1)[1])
+        if line.startswith(name + "{"):
+            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[value] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -139,9 +161,12 @@ async def _one_primitive(primitive: str, opts: dict[str, Any], tmp: Path) -> lis
             stack.start("index", "index-0")
             stack.start("storage", "storage-0", "--root", str(tmp / "store"))
             kv_blocks = opts.get("kv_blocks", 0)
-            stack.start(
-                "engine", "engine-0", *_engine_args(holds=True, doc_tokens=len(doc), kv_blocks=kv_blocks)
-            )
+            shape = {
+                "doc_tokens": len(doc),
+                "kv_blocks": kv_blocks,
+                "threads": engine_threads(opts["engines"] + 1),
+            }
+            stack.start("engine", "engine-0", *_engine_args(holds=True, **shape))
             router_args = ["--http-port", "0", "--move-query", primitive, "--movequery-fabric", "shm"]
             if opts.get("profile"):  # the profile the microbenchmark just calibrated
                 router_args += ["--movequery-profile", opts["profile"]]
@@ -152,9 +177,11 @@ async def _one_primitive(primitive: str, opts: dict[str, Any], tmp: Path) -> lis
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
                 await _stream(http, url, doc, 2)  # prefilled once, pinned, persisted
                 for i in range(opts["engines"]):
-                    args = _engine_args(holds=False, doc_tokens=len(doc), kv_blocks=kv_blocks)
+                    args = _engine_args(holds=False, **shape)
                     stack.start("engine", f"engine-{i + 1}", *args)
-                await _ready(stack, registry, opts["engines"] + 1)
+                ready = await _ready(stack, registry, opts["engines"] + 1)
+                requesters = [ready[f"engine-{i + 1}"].http_url for i in range(opts["engines"])]
+                opts = {**opts, "requester_urls": requesters}
                 return [await _fan_in(http, url, doc, n, primitive, opts, rng) for n in opts["ns"]]
         finally:
             await bus.close()
@@ -171,12 +198,13 @@ async def _fan_in(
     rng: random.Random,
 ) -> dict[str, Any]:
     suffixes = [[rng.randrange(3, 250) for _ in range(rng.randrange(64, 513))] for _ in range(n)]
-    before = await _choices(http, url)
+    before, fell_before = await _choices(http, url), await _fallbacks(http, opts["requester_urls"])
     runs = await asyncio.gather(*(_stream(http, url, doc + s, opts["max_tokens"]) for s in suffixes))
-    after = await _choices(http, url)
+    after, fell_after = await _choices(http, url), await _fallbacks(http, opts["requester_urls"])
     routed = after.get("route", 0.0) - before.get("route", 0.0)
     rates = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in runs if r["last"] > r["first"]]
-    resident = sum(len(s) + opts["max_tokens"] for s in suffixes) + (n - routed) * len(doc)
+    fell_back = fell_after - fell_before  # each keeps a private copy of the document from then on
+    resident = sum(len(s) + opts["max_tokens"] for s in suffixes) + (n - routed + fell_back) * len(doc)
     return {
         "n": n,
         "primitive": primitive,
@@ -184,6 +212,7 @@ async def _fan_in(
         "decode_tok_s": statistics.median(rates) if rates else 0.0,
         "kv_bytes": int(resident * opts["kv_bytes_per_token"]),
         "routed": int(routed),
+        "fell_back": int(fell_back),
         "peak_concurrent": peak_concurrent([(r["first"], r["last"]) for r in runs]),
         "makespan_s": max(r["last"] for r in runs) - min(r["start"] for r in runs),
         "kv_blocks": opts.get("kv_blocks", 0),
@@ -191,7 +220,7 @@ async def _fan_in(
 
 
 def run_fanin(opts: dict[str, Any]) -> list[dict[str, Any]]:
-    """Rows of {n, primitive, ttft_p50_s, decode_tok_s, kv_bytes, routed} for every primitive and N."""
+    """A row {n, primitive, ttft_p50_s, decode_tok_s, kv_bytes, routed, fell_back, ...} per primitive, N."""
     rows = []
     for primitive in opts["primitives"]:
         with tempfile.TemporaryDirectory(prefix=f"kvpath-mq-{primitive}-") as tmp:
@@ -202,13 +231,13 @@ def run_fanin(opts: dict[str, Any]) -> list[dict[str, Any]]:
 def format_fanin(rows: list[dict[str, Any]]) -> str:
     lines = [
         "fan-in: one holder, N sub-agents on other engines (kv blocks: per requester, 0 = default cache)",
-        "kv blocks   N  primitive  TTFT p50 ms  decode tok/s  KV MB  routed  at once  makespan s",
+        "kv blocks   N  primitive  TTFT p50 ms  decode tok/s  KV MB  routed  fell back  at once  makespan s",
     ]
     for r in rows:
         lines.append(
             f"{r.get('kv_blocks', 0):>9}{r['n']:>4}  {r['primitive']:<9}{r['ttft_p50_s'] * 1e3:>12.1f}"
             f"{r['decode_tok_s']:>14.1f}{r['kv_bytes'] / 1e6:>7.1f}{r.get('routed', 0):>8}"
-            f"{r.get('peak_concurrent', 0):>9}{r.get('makespan_s', 0.0):>12.2f}"
+            f"{r.get('fell_back', 0):>11}{r.get('peak_concurrent', 0):>9}{r.get('makespan_s', 0.0):>12.2f}"
         )
     return "\n".join(lines)
 
