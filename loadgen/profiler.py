@@ -55,6 +55,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is kept)")
     p.add_argument("--max-tokens", type=int, default=2048, help="leave out grid points longer than this")
     p.add_argument("--link", default="shm", help="name of the engine-to-engine link in the file")
+    p.add_argument(
+        "--num-threads", type=int, default=0, help="torch CPU threads, as the engines have (0: torch default)"
+    )
     p.add_argument("--out", default="kvpath-profile.json", help="the profile file")
     p.set_defaults(func=_main)
 
@@ -225,7 +228,8 @@ def _main(args: argparse.Namespace) -> int:
     from gpu.runner import ModelRunner
 
     blocks = -(-max(args.max_tokens, max(CONTEXT_GRID) * max(BATCH_GRID) + 64 * max(BATCH_GRID)) // 64) + 8
-    runner = ModelRunner.load(args.model, device=args.device, num_kv_blocks=blocks)
+    threads = args.num_threads or None
+    runner = ModelRunner.load(args.model, device=args.device, num_kv_blocks=blocks, num_threads=threads)
     try:
         model = profile(runner, repeats=args.repeats, max_tokens=args.max_tokens, link=args.link)
         model = CostModel(**{**_fields(model), "meta": {**model.meta, "model": args.model}})

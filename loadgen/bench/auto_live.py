@@ -36,6 +36,7 @@ import numpy as np
 from loadgen.bench import auto_live_agents as agents
 from loadgen.bench.auto_live_options import CONFIG_NAMES, LiveOptions
 from services.up.process import UpProcess
+from services.up.topology import engine_threads, host_cores
 
 # per configuration its policies (the fixed ones first, auto last) and the score `results` keeps
 CONFIGS = {
@@ -98,9 +99,11 @@ async def _drive(url: str, prompts: list[list[int]], clients: int, max_tokens: i
     return latencies
 
 
-def calibrate(out: Path) -> Path:
-    """`kvpath profile` of the tiny model on this machine (T_pre, T_dec, T_kv): what auto prices with."""
+def calibrate(out: Path, threads: int) -> Path:
+    """`kvpath profile` of the tiny model on this machine (T_pre, T_dec, T_kv): what auto prices with, on
+    the torch threads each engine of the clusters runs with (`kvpath up` splits the cores among them)."""
     cmd = [sys.executable, "-m", "services.cli", "profile", "--model", "tiny", "--repeats", "2"]
+    cmd += ["--num-threads", str(threads)]
     done = subprocess.run([*cmd, "--max-tokens", "2048", "--out", str(out)], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"kvpath profile failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -179,7 +182,7 @@ def run_live(o: LiveOptions, progress: Callable[[str], None] | None = None) -> d
     measured decision of auto."""
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {p: [] for p in CONFIGS[c]} for c in o.configs}
     with tempfile.TemporaryDirectory(prefix="kvpath-auto-") as work:
-        profile = calibrate(Path(work) / "profile.json")
+        profile = calibrate(Path(work) / "profile.json", engine_threads(o.engines, host_cores()))
         for config in o.configs:
             policies = CONFIGS[config]
             order = [p for r in range(o.repeats) for p in (policies if r % 2 == 0 else policies[::-1])]

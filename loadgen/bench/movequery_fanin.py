@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import statistics
 import tempfile
@@ -33,6 +32,7 @@ from typing import Any
 import aiohttp
 
 from services.up.process import ServiceStack
+from services.up.topology import engine_threads, host_cores
 from shared.bus import Bus, Registry
 from shared.natsserver import NatsServer
 from shared.protocol import ServiceInfo
@@ -53,13 +53,6 @@ def _engine_args(*, holds: bool, doc_tokens: int, kv_blocks: int = 0, threads: i
     if kv_blocks > 0:
         args += ["--num-kv-blocks", str(kv_blocks)]
     return [*args, "--no-persist-kv"]
-
-
-def engine_threads(num_engines: int, cores: int | None = None) -> int:
-    """torch threads per engine when `num_engines` share this host's cores, as engines pinned to disjoint
-    cores would have (at least 1): torch's default of one thread per core in every engine oversubscribes a
-    small host, and its spinning workers then slow whichever primitive keeps the most engines busy."""
-    return max(1, (cores or os.cpu_count() or 1) // num_engines)
 
 
 async def _until(check: Any, what: str, timeout_s: float = READY_TIMEOUT_S) -> Any:
@@ -164,7 +157,7 @@ async def _one_primitive(primitive: str, opts: dict[str, Any], tmp: Path) -> lis
             shape = {
                 "doc_tokens": len(doc),
                 "kv_blocks": kv_blocks,
-                "threads": engine_threads(opts["engines"] + 1),
+                "threads": engine_threads(opts["engines"] + 1, host_cores()),
             }
             stack.start("engine", "engine-0", *_engine_args(holds=True, **shape))
             router_args = ["--http-port", "0", "--move-query", primitive, "--movequery-fabric", "shm"]

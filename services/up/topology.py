@@ -8,6 +8,7 @@ and its engines; all nodes share one store root, as nodes share a distributed fi
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 
 from services.policy.ampd import AMPD, SESSION_COLOCATED, SESSION_POLICIES
@@ -39,6 +40,7 @@ class ClusterSpec:
     pool_bytes: int = 0  # pool / remote store capacity (0: the service's default)
     block_size: int = 64
     auto_decode_engines: str = SESSION_DECODE  # auto on P/D nodes: session, or DualPath's (decode only)
+    cores: int = 0  # the host's cores, split among the engines' torch threads (0: torch's default each)
     extra_engine_args: list[str] = field(default_factory=list)
     extra_router_args: list[str] = field(default_factory=list)
 
@@ -93,9 +95,26 @@ def spec_from_args(args: argparse.Namespace, kv_root: str) -> ClusterSpec:
         pool_bytes=args.pool_bytes,
         block_size=args.block_size,
         auto_decode_engines=args.auto_decode_engines,
+        cores=0 if "KVPATH_NUM_THREADS" in os.environ else host_cores(),
         extra_engine_args=_split(args.engine_arg),
         extra_router_args=_split(args.router_arg),
     )
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity: a container's cpuset, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def engine_threads(num_engines: int, cores: int) -> int:
+    """torch threads per engine when `num_engines` share `cores`, as engines pinned to disjoint cores would
+    have (at least 1). torch's default, a thread per core in every engine, oversubscribes the host: on two
+    cores, three engines' spinning workers slowed the busiest configuration by 10-40% (README, "Move the
+    query", fan-in)."""
+    return max(1, cores // max(1, num_engines))
 
 
 def _split(flags: list[str]) -> list[str]:
@@ -124,11 +143,14 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
                 str(spec.storage_bandwidth_bytes_per_s),
             ]
             procs.append(ProcessSpec(f"storage-{node}", "storage", args, kind="storage"))
+    threads = []  # the user's own --num-threads (an --engine-arg) wins
+    if spec.cores > 0 and not any(a.split("=")[0] == "--num-threads" for a in spec.extra_engine_args):
+        threads = ["--num-threads", str(engine_threads(len(nodes), spec.cores))]
     for i, (node, role) in enumerate(nodes):
         session_args = _session_args(spec, role)
         # the pool serves the engines that prefill: colocated, prefill and session decode engines
         uses_tier = role != "decode" or "--session-kv" in session_args
-        args = ["--role", role, "--node", str(node), "--model", spec.model, *common]
+        args = ["--role", role, "--node", str(node), "--model", spec.model, *common, *threads]
         args += (tier_args if uses_tier else []) + session_args
         if not spec.with_kv_store:
             args += ["--no-persist-kv", "--no-load-kv"]

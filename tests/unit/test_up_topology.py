@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from services.up.launcher import register, spec_from_args
-from services.up.topology import cluster_processes
+from services.up.topology import cluster_processes, engine_threads
 
 
 def _spec(*argv: str) -> tuple[list, str]:
@@ -101,3 +101,28 @@ def test_auto_runs_on_colocated_and_on_pd_topologies_with_session_decode_engines
     assert router.args[router.args.index("--policy") + 1] == "auto"
     colocated, policy = _spec("--policy", "auto", "--engines", "2")
     assert policy == "auto" and all("--session-kv" not in p.args for p in colocated if p.service == "engine")
+
+
+def test_engines_split_the_host_cores_unless_the_user_set_their_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's default would give each engine a thread per core; `kvpath up` gives each cores / engines."""
+    monkeypatch.delenv("KVPATH_NUM_THREADS", raising=False)
+    monkeypatch.setattr("services.up.topology.host_cores", lambda: 16)
+
+    def threads(*argv: str) -> list[str | None]:
+        procs, _ = _spec(*argv)
+        engines = [p.args for p in procs if p.service == "engine"]
+        return [a[a.index("--num-threads") + 1] if "--num-threads" in a else None for a in engines]
+
+    assert threads("--engines", "3") == ["5"] * 3
+    assert threads("--prefill-nodes", "2", "--decode-nodes", "2", "--engines-per-node", "2") == ["2"] * 8
+    assert threads("--engines", "32") == ["1"] * 32
+    assert threads("--engines", "2", "--engine-arg=--num-threads 3") == ["3", "3"]  # the user's flag alone
+    procs, _ = _spec("--engines", "2", "--engine-arg=--num-threads=3")
+    assert all(
+        not any(a.startswith("--num-threads") for a in p.args[:-1]) for p in procs if p.service == "engine"
+    )
+    monkeypatch.setenv("KVPATH_NUM_THREADS", "4")  # so does the engines' own environment setting
+    assert threads("--engines", "2") == [None, None]
+    assert engine_threads(3, 2) == 1 and engine_threads(0, 2) == 2

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from loadgen.bench.movequery import build_report, calibrate, format_report
-from loadgen.bench.movequery_fanin import engine_threads, format_fanin, peak_concurrent
+from loadgen.bench.movequery_fanin import format_fanin, peak_concurrent
 from loadgen.bench.movequery_plot import plot
 from services.policy.movequery import ModelShape
 
@@ -63,10 +63,3 @@ def test_fanin_concurrency_and_the_png(tmp_path: Path) -> None:
     path = tmp_path / "mq.png"
     plot(report, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
-
-
-def test_fanin_engines_split_the_host_cores() -> None:
-    """Three engines on two cores get one torch thread each (torch's default would give each two)."""
-    assert engine_threads(3, cores=2) == 1
-    assert engine_threads(3, cores=16) == 5
-    assert engine_threads(1, cores=2) == 2
