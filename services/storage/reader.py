@@ -43,6 +43,11 @@ _Jobs = list[concurrent.futures.Future[list[ReadOutcome]]]
 
 @dataclass(slots=True)
 class _PendingRead:
+    """A read's blocks not delivered yet: the node's read queue (`BlockReader.queue_tokens`), what DualPath's
+    read-side choice compares. A block counts until the bandwidth budget has let it through, not only until
+    the I/O thread has copied it (with the page cache warm that copy is near-instant, and a queue counted
+    that way was empty while reads waited seconds for the budget: every read then went to the PE's side)."""
+
     request_id: str
     tokens_per_block: int
     bytes_per_block: int
@@ -221,11 +226,12 @@ class BlockReader:
                 job.cancel()  # only those still queued: a running job finishes its run
             for hashes, job in zip(runs, jobs, strict=False):
                 if job.done() and not job.cancelled() and job.exception() is None:
-                    self._account(fp_hash, hashes, job.result(), block_bytes, pending)
+                    self._account(fp_hash, hashes, job.result(), block_bytes)
         for job in jobs:
             job.result()  # an I/O error fails the read
         if done_at > loop.time():
             await asyncio.sleep(done_at - loop.time())
+        pending.blocks_left = 0  # delivered at the budget's rate: off the node's read queue
         return outcomes
 
     def _account(
@@ -234,9 +240,7 @@ class BlockReader:
         hashes: list[int],
         results: list[ReadOutcome],
         block_bytes: int,
-        pending: _PendingRead,
     ) -> None:
-        pending.blocks_left -= len(hashes)
         metrics.READ_BYTES.inc(len(results) * block_bytes)
         now = time.time()  # tail first, so a chain's head is its most recent block (evicted last)
         for block_hash, outcome in reversed(list(zip(hashes, results, strict=False))):
