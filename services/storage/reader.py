@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import threading
 import time
 import uuid
@@ -52,6 +53,15 @@ class _PendingRead:
     tokens_per_block: int
     bytes_per_block: int
     blocks_left: int
+    delivered_by: float = 0.0  # monotonic time the budget has let all of it through (0: not reserved yet)
+    rate_bytes_per_s: float = 0.0  # the budget's rate (0: unlimited)
+
+    def blocks_queued(self, now: float) -> int:
+        """Blocks not delivered yet: the budget drains a reserved read at its rate."""
+        if self.delivered_by <= 0 or self.rate_bytes_per_s <= 0:
+            return self.blocks_left
+        in_flight = max(0.0, self.delivered_by - now) * self.rate_bytes_per_s
+        return min(self.blocks_left, math.ceil(in_flight / self.bytes_per_block))
 
 
 @dataclass(slots=True)
@@ -95,11 +105,13 @@ class BlockReader:
 
     @property
     def queue_tokens(self) -> int:
-        return sum(p.blocks_left * p.tokens_per_block for p in self._pending.values())
+        now = time.monotonic()
+        return sum(p.blocks_queued(now) * p.tokens_per_block for p in self._pending.values())
 
     @property
     def queue_bytes(self) -> int:
-        return sum(p.blocks_left * p.bytes_per_block for p in self._pending.values())
+        now = time.monotonic()
+        return sum(p.blocks_queued(now) * p.bytes_per_block for p in self._pending.values())
 
     @property
     def num_pending(self) -> int:
@@ -215,6 +227,8 @@ class BlockReader:
         fan_out = -(-num_blocks // self.limits.max_concurrent_reads)
         per_job = max(1, min(max(fan_out, _MIN_JOB_BYTES // block_bytes), _MAX_JOB_BYTES // block_bytes))
         done_at = self.bucket.reserve(num_blocks * block_bytes, loop.time())
+        pending.delivered_by = done_at - loop.time() + time.monotonic()  # the loop's clock may differ
+        pending.rate_bytes_per_s = self.bucket.rate_bytes_per_s
         runs = [req.block_hashes[i : min(i + per_job, num_blocks)] for i in range(0, num_blocks, per_job)]
         for start, hashes in zip(range(0, num_blocks, per_job), runs, strict=True):
             dest = self._buffer[offset + start * block_bytes : offset + (start + len(hashes)) * block_bytes]
