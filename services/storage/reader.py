@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import math
 import threading
 import time
 import uuid
@@ -53,15 +52,6 @@ class _PendingRead:
     tokens_per_block: int
     bytes_per_block: int
     blocks_left: int
-    delivered_by: float = 0.0  # monotonic time the budget has let all of it through (0: not reserved yet)
-    rate_bytes_per_s: float = 0.0  # the budget's rate (0: unlimited)
-
-    def blocks_queued(self, now: float) -> int:
-        """Blocks not delivered yet: the budget drains a reserved read at its rate."""
-        if self.delivered_by <= 0 or self.rate_bytes_per_s <= 0:
-            return self.blocks_left
-        in_flight = max(0.0, self.delivered_by - now) * self.rate_bytes_per_s
-        return min(self.blocks_left, math.ceil(in_flight / self.bytes_per_block))
 
 
 @dataclass(slots=True)
@@ -105,13 +95,11 @@ class BlockReader:
 
     @property
     def queue_tokens(self) -> int:
-        now = time.monotonic()
-        return sum(p.blocks_queued(now) * p.tokens_per_block for p in self._pending.values())
+        return sum(p.blocks_left * p.tokens_per_block for p in self._pending.values())
 
     @property
     def queue_bytes(self) -> int:
-        now = time.monotonic()
-        return sum(p.blocks_queued(now) * p.bytes_per_block for p in self._pending.values())
+        return sum(p.blocks_left * p.bytes_per_block for p in self._pending.values())
 
     @property
     def num_pending(self) -> int:
@@ -227,8 +215,6 @@ class BlockReader:
         fan_out = -(-num_blocks // self.limits.max_concurrent_reads)
         per_job = max(1, min(max(fan_out, _MIN_JOB_BYTES // block_bytes), _MAX_JOB_BYTES // block_bytes))
         done_at = self.bucket.reserve(num_blocks * block_bytes, loop.time())
-        pending.delivered_by = done_at - loop.time() + time.monotonic()  # the loop's clock may differ
-        pending.rate_bytes_per_s = self.bucket.rate_bytes_per_s
         runs = [req.block_hashes[i : min(i + per_job, num_blocks)] for i in range(0, num_blocks, per_job)]
         for start, hashes in zip(range(0, num_blocks, per_job), runs, strict=True):
             dest = self._buffer[offset + start * block_bytes : offset + (start + len(hashes)) * block_bytes]
@@ -238,15 +224,39 @@ class BlockReader:
         finally:
             for job in jobs:
                 job.cancel()  # only those still queued: a running job finishes its run
-            for hashes, job in zip(runs, jobs, strict=False):
-                if job.done() and not job.cancelled() and job.exception() is None:
-                    self._account(fp_hash, hashes, job.result(), block_bytes)
+            read_bytes = [
+                self._account(fp_hash, hashes, job.result(), block_bytes)
+                if job.done() and not job.cancelled() and job.exception() is None
+                else 0
+                for hashes, job in zip(runs, jobs, strict=False)
+            ]
         for job in jobs:
             job.result()  # an I/O error fails the read
-        if done_at > loop.time():
-            await asyncio.sleep(done_at - loop.time())
-        pending.blocks_left = 0  # delivered at the budget's rate: off the node's read queue
+        await self._deliver(runs, read_bytes, done_at, block_bytes, pending)
         return outcomes
+
+    async def _deliver(
+        self,
+        runs: list[list[int]],
+        read_bytes: list[int],
+        done_at: float,
+        block_bytes: int,
+        pending: _PendingRead,
+    ) -> None:
+        """Let the read through at the budget's rate, run by run (the copies are done): each run leaves the
+        node's read queue and counts as read bytes when the budget reaches it, so the queue DualPath's read
+        side compares and the traffic the metrics show are a NIC's, not the page cache's instant copy."""
+        loop = asyncio.get_running_loop()
+        rate = self.bucket.rate_bytes_per_s
+        start = done_at - sum(len(h) for h in runs) * block_bytes / rate if rate > 0 else loop.time()
+        delivered = 0
+        for hashes, nbytes in zip(runs, read_bytes, strict=True):
+            delivered += len(hashes) * block_bytes
+            at = start + delivered / rate if rate > 0 else start
+            if at > loop.time():
+                await asyncio.sleep(at - loop.time())
+            metrics.READ_BYTES.inc(nbytes)
+            pending.blocks_left -= len(hashes)
 
     def _account(
         self,
@@ -254,14 +264,15 @@ class BlockReader:
         hashes: list[int],
         results: list[ReadOutcome],
         block_bytes: int,
-    ) -> None:
-        metrics.READ_BYTES.inc(len(results) * block_bytes)
+    ) -> int:
+        """Refresh (or drop) the blocks' catalog entries; the payload bytes the job read."""
         now = time.time()  # tail first, so a chain's head is its most recent block (evicted last)
         for block_hash, outcome in reversed(list(zip(hashes, results, strict=False))):
             if outcome is ReadOutcome.OK:
                 self.catalog.touch((fp_hash, block_hash), now)
             else:
                 self.catalog.remove((fp_hash, block_hash))
+        return len(results) * block_bytes
 
     def _read_run_sync(
         self,
