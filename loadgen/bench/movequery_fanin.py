@@ -31,6 +31,7 @@ from typing import Any
 
 import aiohttp
 
+from loadgen.bench.scrape import scrape
 from services.up.process import ServiceStack
 from services.up.topology import engine_threads, host_cores
 from shared.bus import Bus, Registry
@@ -130,13 +131,12 @@ async def _fallbacks(http: aiohttp.ClientSession, urls: list[str]) -> float:
 
 async def _counter(http: aiohttp.ClientSession, url: str, name: str, label: str) -> dict[str, float]:
     """A labelled counter of one service's `/metrics`: label value -> count."""
-    async with http.get(f"{url}/metrics") as resp:
-        text = await resp.text()
+    samples = await scrape(http, url)
     out = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
-            out[value] = float(line.rsplit(" ", 1)[1])
+    for (sample, labels), value in samples.items():
+        key = dict(labels).get(label)
+        if sample == name and key is not None:
+            out[key] = value
     return out
 
 
