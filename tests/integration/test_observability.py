@@ -167,13 +167,27 @@ async def test_metrics_of_every_service_parse_and_carry_the_documented_names(
             if family.name.startswith("kvpath_"):
                 doc = documented.get(scraped)
                 assert doc is not None and doc.type == family.type, f"{name}: {scraped} undocumented"
-        expected = {m for m, d in documented.items() if d.section in (kind, "bus")}
+        expected = {m for m, d in documented.items() if d.section in (kind, "bus", "process")}
         assert sorted(expected - exposed) == [], name
         seen.add(kind)
     assert seen == set(kinds.values())
     # scrapes and health probes (wait_ready polls /health) make no traces
     paths = {s["attributes"].get("url.path") for s in telemetry.read_span_files(colocated.trace_dir)}
     assert not paths & {"/health", "/metrics"}, paths
+
+
+async def test_every_service_froze_its_startup_heap(colocated: Observed, http: aiohttp.ClientSession) -> None:
+    """`kvpath serve` starts a service with the collector off and, once it is ready, freezes what startup
+    made (an engine's ~200k objects, a router's ~60k), then turns the collector on (test_service_gc.py)."""
+    for name, url in colocated.up.services.items():
+        async with http.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+        frozen = [
+            family.samples[0].value
+            for family in text_string_to_metric_families(text)
+            if family.name == "kvpath_process_gc_frozen_objects"
+        ]
+        assert frozen and frozen[0] > 10_000, (name, frozen)
 
 
 def json_lines(path: Path) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from prometheus_client.metrics import MetricWrapperBase
 REPO = Path(__file__).resolve().parents[2]
 METRICS_DOC = REPO / "docs" / "metrics.md"
 _ROW = re.compile(r"^\| `(kvpath_[a-z0-9_]+)` \| (counter|gauge|histogram) \|([^|]*)\|")
-_SECTIONS = ("bus", "router", "engine", "storage", "index", "remotekv", "cxlpool")
+_SECTIONS = ("bus", "process", "router", "engine", "storage", "index", "remotekv", "cxlpool")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,8 @@ def documented_metrics(path: Path = METRICS_DOC) -> dict[str, DocumentedMetric]:
 
 def registered_metrics() -> dict[str, tuple[str, str, frozenset[str]]]:
     """name -> (module section, type, labels) of every metric object in the metrics modules."""
-    modules = {"bus": "shared.telemetry", **{s: f"services.{s}.metrics" for s in _SECTIONS[1:]}}
+    modules = {"bus": "shared.telemetry", "process": "shared.service"}
+    modules.update({s: f"services.{s}.metrics" for s in _SECTIONS[2:]})
     out = {}
     for section, module_name in modules.items():
         for value in vars(importlib.import_module(module_name)).values():
