@@ -13,10 +13,11 @@ G (GQA: head h reads key head h // (H / G)). Absorbed MLA is the case G = 1: the
 (W_UV and W_O are linear, so merging before them is exact).
 
 The same partial has many forms: (o, m, l) and (o e^d, m - d, l e^d) finalize and merge alike for any shift d.
-On a GPU `attend` computes scores chunk by chunk and m is the largest logit; on a CPU it runs torch's fused
-attention kernel (FlashAttention-style tiles), which returns the normalised output and each row's log-sum-exp,
-so there m is the log-sum-exp and l = 1 (2-2.6x faster than the chunked path at 64-2,048 rows over 256-8,192
-keys on this 2-core host, and its cost stays linear in rows x keys: README, "Move the query").
+`attend` runs one of torch's fused attention kernels, which return the normalised output and each row's
+log-sum-exp, so m is the log-sum-exp and l = 1: on a CPU the flash kernel (2-2.6x faster than scores chunk by
+chunk at 64-2,048 rows over 256-8,192 keys on this 2-core host, its cost linear in rows x keys: README, "Move
+the query"), on a CUDA device the memory-efficient one for calls with many rows and no mask
+(`_cuda_fused_pays`). Otherwise it computes scores chunk by chunk and m is the largest logit.
 
 On the wire a partial is packed as one fp32 array [T, H, dv + 2] = (o, m, l) per row: one put per reply.
 `PrefixAttention` is the seam the runner calls when a sequence's leading context is not in its cache
@@ -83,7 +84,9 @@ def attend(
     if query_positions is not None and key_positions is not None:
         visible = key_positions[None, :] <= query_positions[:, None]  # [T, S]
     if query.device.type == "cpu":
-        return _attend_fused(query, keys, values, scale, visible)
+        return _attend_fused(query, keys, values, scale, visible, _cpu_kernel)
+    if query.device.type == "cuda" and _cuda_fused_pays(query, values, visible):
+        return _attend_fused(query, keys, values, scale, None, _cuda_kernel)
     return _attend_chunked(query, keys, values, scale, visible)
 
 
@@ -107,13 +110,60 @@ def _attend_chunked(
     return Partial(o=o, m=m, l=denom)
 
 
+# (q, k, v [1, G, rows | keys, width] fp32, additive mask [1, 1, rows, keys] | None, scale) ->
+# (normalised output [1, G, rows, width], log-sum-exp [1, G, rows])
+FusedKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], tuple[torch.Tensor, torch.Tensor]
+]
+_CUDA_MAX_WIDTH = 1024  # head sizes the memory-efficient CUDA kernel is used for (absorbed MLA: 576)
+_CUDA_MIN_ROW_HEADS = 2048  # query rows x heads from which that kernel beats chunked scores (README, "GPU")
+
+
+def _cpu_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = kernel(q, k, v, scale=scale, attn_mask=mask)
+    return out, lse
+
+
+def _cuda_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's memory-efficient CUDA kernel: fp32 in and out, the log-sum-exp per row (padded to a multiple
+    of 32 rows). Never given a mask (`_cuda_fused_pays`)."""
+    assert mask is None
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, False, scale=scale
+    )
+    return out, lse[..., : q.shape[2]]
+
+
+def _cuda_fused_pays(query: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None) -> bool:
+    """Measured on an H200 (README, "GPU"): the fused kernel gives a CTA to a tile of (row x head) rows and
+    walks every key in it, so a few rows leave the device idle (1 row over 8,192 keys: 0.8 ms against
+    chunked scores' 0.26; absorbed MLA, 64 rows x 16 heads: 2.7 against 1.6 ms) while from ~2,048 row-heads
+    up it is 3-27x faster. A mask would be an fp32 bias per (row x head, key), up to 0.5 GB at 512 x 8 x
+    32,768 and slower than the scores (0.15-0.9x): masked calls stay chunked. A holder's chunk precedes
+    every routed row, so its calls carry no mask."""
+    width = max(query.shape[-1], values.shape[-1])
+    big = query.shape[0] * query.shape[1] >= _CUDA_MIN_ROW_HEADS
+    return big and width <= _CUDA_MAX_WIDTH and width % 4 == 0 and (visible is None or bool(visible.all()))
+
+
 def _attend_fused(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, visible: torch.Tensor | None
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    visible: torch.Tensor | None,
+    kernel: FusedKernel,
 ) -> Partial:
-    """`attend` through torch's fused CPU kernel, which returns (normalised output, log-sum-exp): the partial
-    (o, lse, 1). The heads of a key group share its keys, so they are folded into rows ([1, G, T x r, d]) and
-    the keys are read in place; one head size for both products, so the shorter of dk and dv is zero-padded
-    (absorbed MLA's values). A mask, where some key is hidden from some row, goes in additive blocks."""
+    """`attend` through one of torch's fused kernels, which return (normalised output, log-sum-exp): the
+    partial (o, lse, 1). The heads of a key group share its keys, so they are folded into rows
+    ([1, G, T x r, d]) and the keys are read in place; one head size for both products, so the shorter of dk
+    and dv is zero-padded (absorbed MLA's values). A mask, where some key is hidden from some row, goes in
+    additive blocks."""
     num_rows, num_heads, key_dim = query.shape
     num_keys, groups, value_dim = values.shape
     per_group = num_heads // groups
@@ -125,9 +175,8 @@ def _attend_fused(
         v = k
     else:
         v = _pad(values.float().transpose(0, 1)[None], width)
-    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     if visible is None or bool(visible.all()):
-        out, lse = kernel(q, k, v, scale=scale)
+        out, lse = kernel(q, k, v, None, scale)
     else:
         step = max(1, MASK_ELEMENTS // (per_group * num_keys))
         outs, lses = [], []
@@ -136,7 +185,7 @@ def _attend_fused(
             mask = torch.zeros(block.shape).masked_fill_(~block, float("-inf"))
             rows = slice(start * per_group, (start + block.shape[0]) * per_group)
             mask = mask.repeat_interleave(per_group, 0)[None, None]
-            o_b, lse_b = kernel(q[:, :, rows], k, v, scale=scale, attn_mask=mask)
+            o_b, lse_b = kernel(q[:, :, rows], k, v, mask, scale)
             outs.append(o_b)
             lses.append(lse_b)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
@@ -144,9 +193,10 @@ def _attend_fused(
     m = lse[0].reshape(groups, num_rows, per_group).transpose(0, 1).reshape(num_rows, num_heads)
     partial = Partial(o=o.reshape(num_rows, num_heads, value_dim), m=m, l=torch.ones_like(m))
     if visible is not None:
-        empty = ~visible.any(dim=1)  # the kernel gives such a row o = 0 at lse = 0: make it the empty partial
+        empty = ~visible.any(dim=1)  # a row that sees no key (the kernels give lse 0 or -inf, o 0 or NaN)
         partial.m.masked_fill_(empty[:, None], float("-inf"))
         partial.l.masked_fill_(empty[:, None], 0.0)
+        partial.o.masked_fill_(empty[:, None, None], 0.0)
     return partial
 
 

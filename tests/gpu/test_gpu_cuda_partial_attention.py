@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from gpu.partial_attention import LocalPrefix, attend, finalize, merge
+from gpu.partial_attention import LocalPrefix, _attend_chunked, attend, finalize, merge
 from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq
 from gpu.sampling import SamplingOptions
 from tests.unit.gpu.test_gpu_partial_attention import LoopbackExchange
@@ -64,6 +64,47 @@ def test_device_partials_merge_exactly(shape: str, num_queries: int, dtype: torc
         parts = [attend(query, keys[a:b], values[a:b], dk**-0.5) for a, b in itertools.pairwise(edges)]
         merged = finalize(merge(parts[::-1]))
         assert relative_error(merged, full) < EXACT or relative_error(merged, exact) <= 2 * round_off, cuts
+
+
+@pytest.mark.parametrize("num_rows", [4, 300])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_device_partials_fused_or_chunked_are_the_same_attention(
+    shape: str, masked: bool, num_rows: int
+) -> None:
+    """On CUDA `attend` runs torch's memory-efficient kernel (m = the log-sum-exp, l = 1) for an unmasked
+    call of at least 2,048 rows x heads, else chunked scores (m = the max logit, l >= 1): the same attention
+    either way and as the CPU's, causal masks respected (the first rows then see no key), and a fused partial
+    merges with a chunked one."""
+    heads, groups, dk, dv, num_keys = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    query = torch.randn(num_rows, heads, dk, generator=gen, device="cuda")
+    keys = torch.randn(num_keys, groups, dk, generator=gen, device="cuda")
+    values = keys[..., :dv] if shape == "mla" else torch.randn(num_keys, groups, dv, device="cuda")
+    positions, visible = {}, None
+    if masked:  # rows at positions -2, -1, 0, ...: the first two see no key
+        positions = {
+            "query_positions": torch.arange(-2, num_rows - 2, device="cuda"),
+            "key_positions": torch.arange(num_keys, device="cuda"),
+        }
+        visible = positions["key_positions"][None, :] <= positions["query_positions"][:, None]
+    got = attend(query, keys, values, dk**-0.5, **positions)
+    fused = not masked and num_rows * heads >= 2048
+    assert bool((got.l == 1).all()) == fused
+    if masked:
+        assert bool((got.l[:2] == 0).all()) and bool(torch.isinf(got.m[:2]).all())
+    chunked = _attend_chunked(query, keys, values, dk**-0.5, visible)
+    assert relative_error(finalize(got), finalize(chunked)) < 1e-5
+    cpu_positions = {k: v.cpu() for k, v in positions.items()}
+    cpu = finalize(attend(query.cpu(), keys.cpu(), values.cpu(), dk**-0.5, **cpu_positions))
+    assert relative_error(finalize(got).cpu(), cpu) < 1e-5
+    cut = num_keys // 3
+    first = _attend_chunked(
+        query, keys[:cut], values[:cut], dk**-0.5, None if visible is None else visible[:, :cut]
+    )
+    rest = {k: v[cut:] if k == "key_positions" else v for k, v in positions.items()}
+    second = attend(query, keys[cut:], values[cut:], dk**-0.5, **rest)
+    assert relative_error(finalize(merge([first, second])), finalize(got)) < 1e-5
 
 
 def prompt(n: int, salt: int = 0) -> list[int]:
