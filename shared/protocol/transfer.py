@@ -39,6 +39,7 @@ class KvEndpoint(Message):
     protocol: int = TRANSFER_PROTOCOL
     shm_probe: str = ""  # shm segment holding shm_token: senders verify they really share /dev/shm
     shm_token: str = ""
+    shm_socket: str = ""  # Unix socket of the control connection for shm senders (in the same /dev/shm)
     rdma_device: str = ""
     regions: dict[str, int] = field(default_factory=dict)  # name -> size in bytes, for inspection
 

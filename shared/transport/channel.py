@@ -68,6 +68,28 @@ class ControlChannel:
             return cls(sock, name=name, limits=limits, spin_s=spin_s)
         raise TransportError(f"cannot connect to KV receiver {name} at {host}:{port}: {last}")
 
+    @classmethod
+    async def open_unix(
+        cls, path: str, *, name: str, limits: Limits, buffer_bytes: int, spin_s: float = 0.0
+    ) -> ControlChannel:
+        """Connect over the receiver's Unix socket (an shm peer: the control frames skip loopback TCP)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            tune_socket(sock, buffer_bytes)
+            await asyncio.get_running_loop().sock_connect(sock, path)
+        except OSError as exc:
+            sock.close()
+            raise TransportError(f"cannot connect to KV receiver {name} at {path}: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, name=name, limits=limits, spin_s=spin_s)
+
+    @property
+    def kind(self) -> str:
+        """What carries the control frames: "unix" or "tcp"."""
+        return "unix" if self._sock.family == socket.AF_UNIX else "tcp"
+
     @property
     def is_broken(self) -> bool:
         return self._broken is not None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 import uuid
@@ -21,7 +22,7 @@ from typing import Any
 
 from shared.errors import KvpathError, TransportError
 from shared.protocol.transfer import TRANSFER_PROTOCOL, KvEndpoint, RegionInfo, TransferHello, TransferWelcome
-from shared.shm import ShmSegment
+from shared.shm import ShmSegment, segment_path
 from shared.transport.config import TransportConfig
 from shared.transport.connection import ReceiverConnection
 from shared.transport.endpoint import PREFERENCE, host_id
@@ -55,7 +56,8 @@ class KvReceiver:
         self._peers = PeerTable()
         self._connections: set[ReceiverConnection] = set()
         self._listener: socket.socket | None = None
-        self._accept_task: asyncio.Task[None] | None = None
+        self._unix_listener: socket.socket | None = None  # shm senders' control connections
+        self._accept_tasks: list[asyncio.Task[None]] = []
         self._probe: ShmSegment | None = None
         self._probe_token = ""
         self._rdma: Any = None  # RdmaReceiverSide when an RDMA device is open
@@ -78,9 +80,13 @@ class KvReceiver:
             sweep_stale_segments()
             self._probe = ShmSegment.create(f"{segment_prefix(self._uid)}-probe", 64, replace=True)
             self._probe.buf[: len(self._probe_token)] = self._probe_token.encode()
+            self._unix_listener = self._listen_unix()
         if "rdma" in self.config.backends:
             self._rdma = self._open_rdma()
-        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+        loop = asyncio.get_running_loop()
+        for sock in (listener, self._unix_listener):
+            if sock is not None:
+                self._accept_tasks.append(loop.create_task(self._accept_loop(sock)))
         log.info(
             "kv receiver %s listening on %s:%s backends=%s",
             self.receiver_id,
@@ -93,6 +99,24 @@ class KvReceiver:
         if self.config.bind_host not in ("", "0.0.0.0", "::"):
             return self.config.bind_host
         return socket.gethostname()
+
+    def _listen_unix(self) -> socket.socket | None:
+        """A Unix socket beside the segments (owner-only, swept with them when the owner dies); None when
+        it cannot be made (shm senders then connect over tcp)."""
+        path = segment_path(f"{segment_prefix(self._uid)}-ctl")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(path))
+            path.chmod(0o600)
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            log.warning(
+                "kv receiver %s: no Unix control socket (%s); shm senders use tcp", self.receiver_id, exc
+            )
+            return None
+        sock.setblocking(False)
+        return sock
 
     def _open_rdma(self) -> Any:
         import shared.transport.rdma as rdma  # lazy: pyverbs is optional
@@ -108,12 +132,16 @@ class KvReceiver:
         if self._closed:
             return
         self._closed = True
-        if self._accept_task is not None:
-            self._accept_task.cancel()
+        for task in self._accept_tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._accept_task
+                await task
         if self._listener is not None:
             self._listener.close()
+        if self._unix_listener is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._unix_listener.getsockname())
+            self._unix_listener.close()
         for conn in list(self._connections):
             conn.close("receiver closing")
         self._board.fail_all(TransportError(f"receiver {self.receiver_id} closed"))
@@ -124,18 +152,18 @@ class KvReceiver:
         if self._probe is not None:
             self._probe.close()
 
-    async def _accept_loop(self) -> None:
-        assert self._listener is not None
+    async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                sock, addr = await loop.sock_accept(self._listener)
+                sock, addr = await loop.sock_accept(listener)
             except OSError as exc:
                 log.error("kv receiver %s: accept failed: %s", self.receiver_id, exc)
                 await asyncio.sleep(0.1)  # e.g. out of file descriptors: back off, keep serving
                 continue
             tune_socket(sock, self.config.socket_buffer_bytes)
-            conn = ReceiverConnection(self, sock, f"{addr[0]}:{addr[1]}")
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else f"unix:{listener.getsockname()}"
+            conn = ReceiverConnection(self, sock, peer)
             self._connections.add(conn)
             conn.start()
 
@@ -160,6 +188,7 @@ class KvReceiver:
             backends=self.offered_backends(),
             shm_probe=self._probe.name if self._probe else "",
             shm_token=self._probe_token,
+            shm_socket=self._unix_listener.getsockname() if self._unix_listener else "",
             rdma_device=self._rdma.device_name if self._rdma else "",
             regions={name: r.size_bytes for name, r in self._regions.items()},
         ).to_dict()

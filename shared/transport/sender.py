@@ -37,6 +37,7 @@ class Peer:
     def __init__(self, remote: KvEndpoint, channel: ControlChannel, mover: Mover, limits: Limits) -> None:
         self.receiver_id = remote.receiver_id
         self.backend = mover.kind
+        self.control = channel.kind  # "unix" (an shm peer on the receiver's Unix socket) or "tcp"
         self._channel = channel
         self._mover = mover
         self._limits = limits
@@ -216,14 +217,7 @@ class KvSender:
         remote = parse_endpoint(endpoint)
         async with deadline(timeout_s, f"connect to KV receiver {remote.receiver_id}"):
             choice = self._choose(remote, backend)
-            channel = await ControlChannel.open(
-                remote.address,
-                remote.port,
-                name=remote.receiver_id,
-                limits=self.limits,
-                buffer_bytes=self.config.socket_buffer_bytes,
-                spin_s=self.config.spin_us * 1e-6,
-            )
+            channel = await self._open_channel(remote, choice)
             try:
                 mover = await self._handshake(channel, remote, choice)
             except BaseException:
@@ -232,8 +226,30 @@ class KvSender:
         peer = Peer(remote, channel, mover, self.limits)
         self._peers = {p for p in self._peers if not p.is_closed}
         self._peers.add(peer)
-        log.info("kv sender %s: connected to %s over %s", self.sender_id, remote.receiver_id, choice)
+        log.info(
+            "kv sender %s: connected to %s over %s (control: %s)",
+            self.sender_id,
+            remote.receiver_id,
+            choice,
+            peer.control,
+        )
         return peer
+
+    async def _open_channel(self, remote: KvEndpoint, choice: str) -> ControlChannel:
+        """The control connection: the receiver's Unix socket for shm (a notice and its ack cost two Unix
+        sends instead of two trips through loopback TCP), else its TCP port."""
+        name, limits = remote.receiver_id, self.limits
+        buffer_bytes, spin_s = self.config.socket_buffer_bytes, self.config.spin_us * 1e-6
+        if choice == "shm" and remote.shm_socket:
+            try:
+                return await ControlChannel.open_unix(
+                    remote.shm_socket, name=name, limits=limits, buffer_bytes=buffer_bytes, spin_s=spin_s
+                )
+            except TransportError as exc:
+                log.info("kv sender %s: %s; connecting over tcp", self.sender_id, exc.message)
+        return await ControlChannel.open(
+            remote.address, remote.port, name=name, limits=limits, buffer_bytes=buffer_bytes, spin_s=spin_s
+        )
 
     def _choose(self, remote: KvEndpoint, forced: str | None) -> str:
         local = self.local_caps()

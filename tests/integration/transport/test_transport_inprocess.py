@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import stat
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from shared.errors import DeadlineExceededError, OverloadedError, TransportError
+from shared.shm import segment_path
 from shared.transport import KvReceiver, KvSender, TransportConfig
 from shared.transport import receiver as receiver_module
+from shared.transport.segments import _NAME as SEGMENT_NAME
 
 BACKENDS = ["shm", "tcp"]
 
@@ -42,6 +47,28 @@ async def test_endpoint_announces_backends_and_regions(receiver: KvReceiver) -> 
         services["tcp"] == f"{endpoint['address']}:{endpoint['port']}"
         and services["shm"] == endpoint["host_id"]
     )
+
+
+async def test_shm_control_frames_take_an_owner_only_unix_socket_else_tcp(
+    receiver: KvReceiver, sender: KvSender
+) -> None:
+    endpoint = receiver.endpoint()
+    path = Path(endpoint["shm_socket"])
+    mode = os.stat(path).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+    assert path.parent == segment_path("probe").parent and SEGMENT_NAME.match(path.name)  # swept with them
+    unreachable = dict(endpoint, shm_socket=f"{path}-gone")  # e.g. a socket file this sender cannot see
+    cases = [(endpoint, "shm", "unix"), (endpoint, "tcp", "tcp"), (unreachable, "shm", "tcp")]
+    for tag, (target, backend, control) in enumerate(cases):
+        peer = await sender.connect(target, timeout_s=5, backend=backend)
+        assert (peer.backend, peer.control) == (backend, control)
+        data = _pattern(70_001, seed=tag)
+        await peer.write("buf", 100, data, tag=tag, timeout_s=10)
+        await receiver.wait("buf", tag, timeout_s=5)
+        assert np.array_equal(receiver.region("buf").view(100, data.nbytes), data)
+    await receiver.close()
+    with pytest.raises(FileNotFoundError):
+        os.stat(path)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
