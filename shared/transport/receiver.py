@@ -111,6 +111,8 @@ class KvReceiver:
             sock.listen(128)
         except OSError as exc:
             sock.close()
+            with contextlib.suppress(OSError):
+                path.unlink()  # bound but not listening: leave no file behind
             log.warning(
                 "kv receiver %s: no Unix control socket (%s); shm senders use tcp", self.receiver_id, exc
             )
