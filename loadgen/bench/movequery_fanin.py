@@ -129,6 +129,11 @@ async def _fallbacks(http: aiohttp.ClientSession, urls: list[str]) -> float:
     return sum(sum(c.values()) for c in counts)
 
 
+async def _finished(http: aiohttp.ClientSession, url: str) -> float:
+    """Requests an engine finished (any reason)."""
+    return sum((await _counter(http, url, "kvpath_engine_requests_finished_total", "reason")).values())
+
+
 async def _counter(http: aiohttp.ClientSession, url: str, name: str, label: str) -> dict[str, float]:
     """A labelled counter of one service's `/metrics`: label value -> count."""
     samples = await scrape(http, url)
@@ -174,7 +179,7 @@ async def _one_primitive(primitive: str, opts: dict[str, Any], tmp: Path) -> lis
                     stack.start("engine", f"engine-{i + 1}", *args)
                 ready = await _ready(stack, registry, opts["engines"] + 1)
                 requesters = [ready[f"engine-{i + 1}"].http_url for i in range(opts["engines"])]
-                opts = {**opts, "requester_urls": requesters}
+                opts = {**opts, "requester_urls": requesters, "holder_url": ready["engine-0"].http_url}
                 return [await _fan_in(http, url, doc, n, primitive, opts, rng) for n in opts["ns"]]
         finally:
             await bus.close()
@@ -192,12 +197,15 @@ async def _fan_in(
 ) -> dict[str, Any]:
     suffixes = [[rng.randrange(3, 250) for _ in range(rng.randrange(64, 513))] for _ in range(n)]
     before, fell_before = await _choices(http, url), await _fallbacks(http, opts["requester_urls"])
+    held_before = await _finished(http, opts["holder_url"])
     runs = await asyncio.gather(*(_stream(http, url, doc + s, opts["max_tokens"]) for s in suffixes))
     after, fell_after = await _choices(http, url), await _fallbacks(http, opts["requester_urls"])
+    on_holder = await _finished(http, opts["holder_url"]) - held_before  # auto may serve some there
     routed = after.get("route", 0.0) - before.get("route", 0.0)
     rates = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in runs if r["last"] > r["first"]]
     fell_back = fell_after - fell_before  # each keeps a private copy of the document from then on
-    resident = sum(len(s) + opts["max_tokens"] for s in suffixes) + (n - routed + fell_back) * len(doc)
+    copies = n - routed + fell_back - on_holder  # private copies: the holder's sub-agents read its own
+    resident = sum(len(s) + opts["max_tokens"] for s in suffixes) + copies * len(doc)
     return {
         "n": n,
         "primitive": primitive,
@@ -206,6 +214,7 @@ async def _fan_in(
         "kv_bytes": int(resident * opts["kv_bytes_per_token"]),
         "routed": int(routed),
         "fell_back": int(fell_back),
+        "on_holder": int(on_holder),
         "peak_concurrent": peak_concurrent([(r["first"], r["last"]) for r in runs]),
         "makespan_s": max(r["last"] for r in runs) - min(r["start"] for r in runs),
         "kv_blocks": opts.get("kv_blocks", 0),
@@ -224,13 +233,15 @@ def run_fanin(opts: dict[str, Any]) -> list[dict[str, Any]]:
 def format_fanin(rows: list[dict[str, Any]]) -> str:
     lines = [
         "fan-in: one holder, N sub-agents on other engines (kv blocks: per requester, 0 = default cache)",
-        "kv blocks   N  primitive  TTFT p50 ms  decode tok/s  KV MB  routed  fell back  at once  makespan s",
+        "kv blocks   N  primitive  TTFT p50 ms  decode tok/s  KV MB  routed  fell back  on holder  at once"
+        "  makespan s",
     ]
     for r in rows:
         lines.append(
             f"{r.get('kv_blocks', 0):>9}{r['n']:>4}  {r['primitive']:<9}{r['ttft_p50_s'] * 1e3:>12.1f}"
             f"{r['decode_tok_s']:>14.1f}{r['kv_bytes'] / 1e6:>7.1f}{r.get('routed', 0):>8}"
-            f"{r.get('fell_back', 0):>11}{r.get('peak_concurrent', 0):>9}{r.get('makespan_s', 0.0):>12.2f}"
+            f"{r.get('fell_back', 0):>11}{r.get('on_holder', 0):>11}{r.get('peak_concurrent', 0):>9}"
+            f"{r.get('makespan_s', 0.0):>12.2f}"
         )
     return "\n".join(lines)
 
