@@ -103,3 +103,19 @@ def test_absorbed_mla_values_read_in_place_from_the_keys_give_the_same_partial()
     assert not pa._leads(keys[..., 8:], keys)
     for a, b in ((in_place.o, copied.o), (in_place.m, copied.m), (in_place.l, copied.l)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_cuda_takes_the_fused_kernel_only_for_many_unmasked_rows_of_a_width_it_runs() -> None:
+    """The rule measured on an H200 (README, "Tests"): 2,048 rows x heads and up, no key hidden from any row,
+    head sizes up to 1,024 in multiples of 4; everything else keeps chunked scores."""
+
+    def pays(rows: int, heads: int, dk: int, dv: int, visible: torch.Tensor | None = None) -> bool:
+        return pa._cuda_fused_pays(torch.empty(rows, heads, dk), torch.empty(8, 1, dv), visible)
+
+    assert pays(256, 8, 128, 128) and not pays(255, 8, 128, 128)
+    assert pays(128, 16, 576, 512) and not pays(64, 16, 576, 512)  # absorbed MLA
+    assert not pays(4096, 8, 1028, 1028) and not pays(4096, 8, 126, 126)
+    every_key = torch.ones(256, 8, dtype=torch.bool)
+    some_hidden = every_key.clone()
+    some_hidden[0, 7] = False
+    assert pays(256, 8, 128, 128, every_key) and not pays(256, 8, 128, 128, some_hidden)
