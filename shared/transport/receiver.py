@@ -22,13 +22,13 @@ from typing import Any
 
 from shared.errors import KvpathError, TransportError
 from shared.protocol.transfer import TRANSFER_PROTOCOL, KvEndpoint, RegionInfo, TransferHello, TransferWelcome
-from shared.shm import ShmSegment, segment_path
+from shared.shm import ShmSegment
 from shared.transport.config import TransportConfig
 from shared.transport.connection import ReceiverConnection
 from shared.transport.endpoint import PREFERENCE, host_id
 from shared.transport.notices import Notice, NoticeBoard, PeerTable
 from shared.transport.region import Region, check_region_name
-from shared.transport.segments import segment_prefix, sweep_stale_segments
+from shared.transport.segments import control_socket_path, segment_prefix, sweep_stale_segments
 from shared.transport.sockio import tune_socket
 from shared.transport.timeouts import Deadline, deadline, fail_at
 from shared.transport.wire import Limits, check_tag
@@ -103,7 +103,7 @@ class KvReceiver:
     def _listen_unix(self) -> socket.socket | None:
         """A Unix socket beside the segments (owner-only, swept with them when the owner dies); None when
         it cannot be made (shm senders then connect over tcp)."""
-        path = segment_path(f"{segment_prefix(self._uid)}-ctl")
+        path = control_socket_path(self._uid)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(str(path))

@@ -13,11 +13,13 @@ import functools
 import logging
 import os
 import re
+from pathlib import Path
 
 from shared.shm import segment_path
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^kvpath-rx-(\d+)-(\d+)-[0-9a-f]+-[A-Za-z0-9]+$")
+_SOCKET = re.compile(r"^kvpath-rx-\d+-\d+-[0-9a-f]+-ctl$")
 
 
 @functools.cache
@@ -31,6 +33,18 @@ def _pid_namespace() -> int:
 def segment_prefix(uid: str) -> str:
     """Prefix of every segment name of one receiver (`uid`: hex, unique per receiver)."""
     return f"kvpath-rx-{_pid_namespace()}-{os.getpid()}-{uid}"
+
+
+def control_socket_path(uid: str) -> Path:
+    """Where a receiver listens for its shm senders' control connections (named like its segments)."""
+    return segment_path(f"{segment_prefix(uid)}-ctl")
+
+
+def is_control_socket_path(path: str) -> bool:
+    """Whether `path` (from a registry entry) names a receiver's control socket: in the shm directory and
+    named like one, so a bad or hostile entry cannot point a sender at another Unix socket of the host."""
+    where = Path(path)
+    return where.parent == segment_path("probe").parent and _SOCKET.match(where.name) is not None
 
 
 def _is_alive(pid: int) -> bool:

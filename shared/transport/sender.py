@@ -24,6 +24,7 @@ from shared.transport.channel import ControlChannel
 from shared.transport.config import TransportConfig
 from shared.transport.endpoint import LocalCaps, host_id, parse_endpoint, probe_shm, select_backend
 from shared.transport.movers import Mover, ShmMover, TcpMover, WriteOp
+from shared.transport.segments import is_control_socket_path
 from shared.transport.sockio import as_bytes_view
 from shared.transport.timeouts import Deadline, deadline
 from shared.transport.wire import FrameType, Header, Limits, check_tag, pack
@@ -240,7 +241,9 @@ class KvSender:
         sends instead of two trips through loopback TCP), else its TCP port."""
         name, limits = remote.receiver_id, self.limits
         buffer_bytes, spin_s = self.config.socket_buffer_bytes, self.config.spin_us * 1e-6
-        if choice == "shm" and remote.shm_socket:
+        if choice == "shm" and remote.shm_socket and not is_control_socket_path(remote.shm_socket):
+            log.warning("kv sender %s: ignoring shm_socket %r of %s", self.sender_id, remote.shm_socket, name)
+        elif choice == "shm" and remote.shm_socket:
             try:
                 return await ControlChannel.open_unix(
                     remote.shm_socket, name=name, limits=limits, buffer_bytes=buffer_bytes, spin_s=spin_s

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -50,15 +51,22 @@ async def test_endpoint_announces_backends_and_regions(receiver: KvReceiver) -> 
 
 
 async def test_shm_control_frames_take_an_owner_only_unix_socket_else_tcp(
-    receiver: KvReceiver, sender: KvSender
+    receiver: KvReceiver, sender: KvSender, tmp_path: Path
 ) -> None:
     endpoint = receiver.endpoint()
     path = Path(endpoint["shm_socket"])
     mode = os.stat(path).st_mode
     assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
     assert path.parent == segment_path("probe").parent and SEGMENT_NAME.match(path.name)  # swept with them
-    unreachable = dict(endpoint, shm_socket=f"{path}-gone")  # e.g. a socket file this sender cannot see
+    # a socket file this sender cannot see, and an entry naming some other Unix socket of the host
+    unreachable = dict(endpoint, shm_socket=str(path.parent / f"kvpath-rx-1-1-{'0' * 12}-ctl"))
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    other.bind(str(tmp_path / "other.sock"))
+    other.listen()
+    other.setblocking(False)
+    hostile = dict(endpoint, shm_socket=str(tmp_path / "other.sock"))
     cases = [(endpoint, "shm", "unix"), (endpoint, "tcp", "tcp"), (unreachable, "shm", "tcp")]
+    cases.append((hostile, "shm", "tcp"))
     for tag, (target, backend, control) in enumerate(cases):
         peer = await sender.connect(target, timeout_s=5, backend=backend)
         assert (peer.backend, peer.control) == (backend, control)
@@ -66,6 +74,9 @@ async def test_shm_control_frames_take_an_owner_only_unix_socket_else_tcp(
         await peer.write("buf", 100, data, tag=tag, timeout_s=10)
         await receiver.wait("buf", tag, timeout_s=5)
         assert np.array_equal(receiver.region("buf").view(100, data.nbytes), data)
+    with pytest.raises(BlockingIOError):
+        other.accept()  # never connected to
+    other.close()
     await receiver.close()
     with pytest.raises(FileNotFoundError):
         os.stat(path)

@@ -7,7 +7,12 @@ import sys
 import uuid
 
 from shared.shm import ShmSegment, segment_path
-from shared.transport.segments import segment_prefix, sweep_stale_segments
+from shared.transport.segments import (
+    control_socket_path,
+    is_control_socket_path,
+    segment_prefix,
+    sweep_stale_segments,
+)
 
 
 def test_sweep_removes_only_dead_owners_in_this_namespace() -> None:
@@ -34,3 +39,18 @@ def test_sweep_removes_only_dead_owners_in_this_namespace() -> None:
     finally:
         for segment in segments:
             segment.close()
+
+
+def test_only_a_receivers_control_socket_path_is_accepted_from_an_endpoint() -> None:
+    uid = uuid.uuid4().hex[:12]
+    path = control_socket_path(uid)
+    assert path.parent == segment_path("probe").parent and path.name == f"{segment_prefix(uid)}-ctl"
+    assert is_control_socket_path(str(path))
+    for other in (
+        "/var/run/docker.sock",
+        str(path.parent / "kvpath-rx-1-2-abc-probe"),  # a segment, not a socket
+        str(path.parent / "sub" / path.name),
+        f"/nonexistent/{path.name}",
+        str(path) + "-x",
+    ):
+        assert not is_control_socket_path(other), other
