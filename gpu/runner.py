@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -125,6 +126,7 @@ class ModelRunner:
         # what makes this cache's KV interchangeable with another's (salts block hashes; engines announce it)
         self.fingerprint = spec.fingerprint(self.dtype, self.block_size)
         self.kv_bytes_per_token = spec.num_layers * kv.bytes_per_token_layer
+        self.compute_id = compute_id(self.device)
 
     @classmethod
     def load(
@@ -343,3 +345,14 @@ def _default_num_blocks(device: str, kv_cache_bytes: int | None, full_block_byte
             param="kv_cache_bytes",
         )
     return num_blocks
+
+
+def compute_id(device: torch.device | str) -> str:
+    """What a runner on `device` computes on, named so that engines sharing it see the same name: one GPU by
+    its uuid (the same under any CUDA_VISIBLE_DEVICES order), else the host's CPU cores."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+        if uuid is not None:
+            return f"cuda:{uuid}"
+    return f"{device.type}@{socket.gethostname()}"

@@ -132,6 +132,7 @@ class EngineService(Service):
             kv_format=self.core.kv_format,
             route=self.connector.route_capability() if self.connector is not None else None,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
+            compute_id=self.runner.compute_id,
             **load,
         )
 

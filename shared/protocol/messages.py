@@ -123,6 +123,8 @@ class LoadReport(Message):
     waiting_kv_tokens: int = 0  # engines: KV tokens the requests queued on it will need
     max_num_batched_tokens: int = 0  # engines: prefill tokens per step (chunked beyond it); 0: not said
     route: RouteCapability | None = None  # engines speaking move-the-query's route protocol
+    # engines: what they compute on; engines reporting the same id share it (a host's CPU cores, one GPU)
+    compute_id: str = ""
     kv_format: KvFormat | None = None  # engines: the KV their cache holds
     # when this process of the service started (unix s): a new value under the same id is a restart, and
     # whatever the old process was serving is lost

@@ -50,7 +50,8 @@ def test_bench_auto_live_runs_every_policy_on_pd_agents_and_the_fan_in(tmp_path:
         "fetch": 3
     }
     assert fanin["auto"]["decisions"] == 3 and sum(fanin["auto"]["plans"].values()) == 3
-    assert 0 <= fanin["auto"]["on_holder"] <= 3 and sum(fanin["auto"]["engines"].values()) == 3
+    # the engines share this host's cores (one compute_id): auto leaves the holder to the requesters
+    assert fanin["auto"]["on_holder"] == 0 and sum(fanin["auto"]["engines"].values()) == 3
 
 
 def test_the_cli_default_names_every_live_configuration() -> None:

@@ -3,6 +3,7 @@ prefill, mixed batches, batched decode of different lengths, thread placement an
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Sequence
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from gpu.attention import MlaAttention
-from gpu.runner import DecodeSeq, LayerHook, ModelRunner, PrefillSeq
+from gpu.runner import DecodeSeq, LayerHook, ModelRunner, PrefillSeq, compute_id
 from gpu.sampling import SamplingOptions
 from shared.errors import ContextLengthExceededError, InvalidRequestError
 
@@ -236,3 +237,9 @@ async def test_inputs_are_checked(tiny_runner: ModelRunner) -> None:
             await tiny_runner.decode([DecodeSeq("x", blocks, 0, 1, sampling=SamplingOptions(top_p=1.5))])
     finally:
         tiny_runner.kv.free(blocks)
+
+
+def test_runners_on_the_cpu_of_one_host_name_the_same_compute(tiny_runner: ModelRunner) -> None:
+    """Engines compare `compute_id`s to tell that they share cores (the router's holder placement)."""
+    assert tiny_runner.compute_id == compute_id("cpu") == f"cpu@{socket.gethostname()}"
+    assert compute_id(torch.device("cpu")) == tiny_runner.compute_id

@@ -35,8 +35,9 @@ def table(
     free_kv_blocks: int = 1000,
     waiting: dict[str, int] | None = None,
     holds: tuple[str, ...] = (),
+    compute: dict[str, str] | None = None,
 ) -> EngineTable:
-    """e0 and e1; those in `holds` may hold chunks."""
+    """e0 and e1; those in `holds` may hold chunks; `compute`: their `compute_id`s (none by default)."""
     engines = EngineTable(silence_timeout_s=3.0)
     now = time.monotonic()
     for engine_id in ("e0", "e1"):
@@ -52,6 +53,7 @@ def table(
             waiting_kv_tokens=(waiting or {}).get(engine_id, 0),
             route=route if holder_speaks or engine_id != "e0" else None,
             is_draining=draining and engine_id == "e0",
+            compute_id=(compute or {}).get(engine_id, ""),
         )
         engines.update(report, now=now)
     return engines
@@ -127,6 +129,21 @@ def test_auto_routes_the_burst_the_requester_cannot_hold_copies_for() -> None:
     full = table(free_kv_blocks=96, waiting={"e0": 6000})
     full_holder = HeldRouting(full, mode="auto", profile=None, fabric="shm")
     assert full_holder.avoid(locality, plan(64 * 32 + 300, 32)) == {"e0"}
+
+
+def test_auto_leaves_a_holder_that_shares_its_compute_to_the_engines_it_shares_with() -> None:
+    """CPU engines of one host (one compute_id): a sub-agent on the holder would take cores from the
+    requesters to save a fetch, so auto sends it elsewhere while another engine can take it; a holder on
+    compute of its own (another GPU, or an engine that states none) stays a candidate."""
+    locality = {"held:e0": 32, "store": 32}
+    p = plan(64 * 32 + 300, 32, hits=32)
+    shared = table(compute={"e0": "cpu@a", "e1": "cpu@a"})
+    assert HeldRouting(shared, mode="auto", profile=None, fabric="shm").avoid(locality, p) == {"e0"}
+    for compute in ({"e0": "cuda:GPU-0", "e1": "cuda:GPU-1"}, {"e0": "cpu@a", "e1": "cpu@b"}, {}):
+        routing = HeldRouting(table(compute=compute), mode="auto", profile=None, fabric="shm")
+        assert routing.avoid(locality, p) == set(), compute
+    alone = table(compute={"e0": "cpu@a"})  # nothing else computes on cpu@a
+    assert not HeldRouting(alone, mode="auto", profile=None, fabric="shm").shares_compute("e0")
 
 
 def pinned(prompt_tokens: int, name: str = "repo", tenant: str = "t") -> RequestPlan:
