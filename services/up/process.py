@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.up.forked import ForkedService
 from shared.natsserver import NatsServer
 from shared.shm import remove_segments
 
@@ -86,8 +87,12 @@ class UpProcess:
         return self.proc.returncode
 
 
+FRESH_ENV = "KVPATH_FRESH_PROCESSES"  # set: each service a fresh `python -m services.cli serve` interpreter
+
+
 class ServiceProcess:
-    """One `kvpath serve <service> ...` process against a given NATS server and namespace."""
+    """One `kvpath serve <service> ...` process against a given NATS server and namespace: forked from the
+    warm fork server (`forked.py`), or a fresh interpreter with KVPATH_FRESH_PROCESSES=1."""
 
     def __init__(
         self, tmp_path: Path, service: str, *args: str, nats_url: str, namespace: str, service_id: str
@@ -102,13 +107,17 @@ class ServiceProcess:
             PYTHONUNBUFFERED="1",
         )
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", service, *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        self.proc: subprocess.Popen[bytes] | ForkedService
+        if os.environ.get(FRESH_ENV):
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "serve", service, *args],
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        else:
+            self.proc = ForkedService(["serve", service, *args], env=env, log_path=self.log_path)
         self._is_terminated = False
 
     def log(self) -> str:
@@ -134,7 +143,7 @@ class ServiceProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
         self._log.close()
-        return self.proc.returncode
+        return self.proc.wait(10)  # ended by now: its exit code (-signal when a signal ended it)
 
 
 class ServiceStack:

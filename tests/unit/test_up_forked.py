@@ -1,0 +1,66 @@
+"""Services forked from the warm fork server behave like `python -m services.cli serve ...` processes: their
+own process group, the environment and log they were given, the CLI's exit code, -signal when killed, and
+a starting program's main module left alone (real processes; no NATS server is needed for these paths)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.up.forked import ForkedService
+
+
+def _until(check: object, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_a_bad_argument_is_the_clis_exit_code_and_message_in_the_log(tmp_path: Path) -> None:
+    log = tmp_path / "index.log"
+    proc = ForkedService(["serve", "index", "--no-such-flag"], env=dict(os.environ), log_path=log)
+    assert proc.wait(60) == 2 and proc.returncode == proc.poll() == 2
+    assert "unrecognized arguments: --no-such-flag" in log.read_text()
+
+
+def test_a_running_service_leads_its_own_group_reads_its_env_and_dies_by_the_signal(tmp_path: Path) -> None:
+    log = tmp_path / "index.log"
+    env = dict(os.environ, KVPATH_NATS_URL="nats://127.0.0.1:1", KVPATH_SERVICE_ID="index-forked")
+    env.pop("PYTEST_CURRENT_TEST", None)
+    proc = ForkedService(["serve", "index"], env=env, log_path=log, cwd=str(tmp_path))
+    try:
+        assert os.getpgid(proc.pid) == os.getsid(proc.pid) == proc.pid != os.getpgid(0)
+        assert proc.poll() is None
+        _until(lambda: "name=index-forked" in log.read_text())  # retrying the NATS URL it was given
+        assert os.readlink(f"/proc/{proc.pid}/cwd") == str(tmp_path)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+
+
+def test_a_script_without_a_main_guard_starts_services_once(tmp_path: Path) -> None:
+    """The child does not run the starting program's main module again (multiprocessing's default)."""
+    script = tmp_path / "starter.py"
+    marker = tmp_path / "ran"
+    script.write_text(
+        "import os, pathlib\n"
+        "from services.up.forked import ForkedService\n"
+        f"pathlib.Path({str(marker)!r}).open('a').write('x')\n"
+        f"log = pathlib.Path({str(tmp_path / 'l')!r})\n"
+        "p = ForkedService(['serve', 'index', '--bogus'], env=dict(os.environ), log_path=log)\n"
+        "raise SystemExit(p.wait(60))\n"
+    )  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, str(script)], cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), timeout=120
+    )
+    assert out.returncode == 2 and marker.read_text() == "x"
