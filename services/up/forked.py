@@ -18,13 +18,13 @@ The handle has the part of `subprocess.Popen`'s API the tests use: `pid`, `poll`
 from __future__ import annotations
 
 import atexit
+import importlib.machinery
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import time
-import types
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
@@ -40,7 +40,7 @@ PRELOAD = (
     "services.index.service",
 )
 _context: ForkServerContext | None = None
-_SKIPPED_MAIN = types.SimpleNamespace(name="kvpath.__main__")
+_SKIPPED_MAIN = importlib.machinery.ModuleSpec("kvpath.__main__", None)
 
 
 def context() -> ForkServerContext:
