@@ -327,6 +327,9 @@ def decode_raw(data: bytes, msg_type: type[M]) -> M:
     return decode(data, msg_type)
 
 
+REGISTRY_SETTLE_S = 10.0  # how long a registry write waits out a replicated bucket's leader election
+
+
 class Registry(Generic[M]):
     """Live services in a JetStream KV bucket; each entry expires `ttl_s` after its last heartbeat."""
 
@@ -344,9 +347,21 @@ class Registry(Generic[M]):
             raise ServiceUnavailableError("registry not open")
         return self._kv
 
-    async def put(self, info: ServiceInfo) -> None:
-        info.heartbeat_at = time.time()
-        await self.kv.put(info.service_id, encode(info))
+    async def put(self, info: ServiceInfo, *, settle_s: float = REGISTRY_SETTLE_S) -> None:
+        """Write the entry. A replicated bucket answers "no response from stream" while its replicas elect
+        a leader (just created in a NATS cluster, or a server lost): retried for up to `settle_s`."""
+        deadline = time.monotonic() + settle_s
+        delay = 0.02
+        while True:
+            info.heartbeat_at = time.time()
+            try:
+                await self.kv.put(info.service_id, encode(info))
+                return
+            except nats.js.errors.NoStreamResponseError:
+                if time.monotonic() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 0.5)
 
     async def remove(self, service_id: str) -> None:
         with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.errors.Error):

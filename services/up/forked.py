@@ -18,8 +18,11 @@ The handle has the part of `subprocess.Popen`'s API the tests use: `pid`, `poll`
 from __future__ import annotations
 
 import atexit
+import ctypes
+import importlib
 import importlib.machinery
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import subprocess
@@ -38,7 +41,12 @@ PRELOAD = (
     "services.router.service",
     "services.storage.service",
     "services.index.service",
+    "services.up.fork_server_exit",
 )
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+ENTRY = "services.cli"  # the module whose main(argv) a forked child runs, as `python -m services.cli` does
+FRESH_ENV = "KVPATH_FRESH_PROCESSES"  # set: each service a fresh `python -m services.cli serve` interpreter
 _context: ForkServerContext | None = None
 _SKIPPED_MAIN = importlib.machinery.ModuleSpec("kvpath.__main__", None)
 
@@ -51,10 +59,40 @@ def context() -> ForkServerContext:
     return _context
 
 
-def _run(argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
-    """The child: its own session, its log as stdout and stderr, then the CLI; atexit handlers at the end
-    (multiprocessing leaves its children with `os._exit`, which would skip them)."""
-    os.setsid()
+def stop_fork_server() -> None:
+    """End the fork server and multiprocessing's resource tracker and reap them (else, once this process
+    exits, they are left to the host's init to reap). Forked children that still run are not touched."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+        stop = getattr(helper, "_stop", None)
+        if stop is not None:
+            stop()
+
+
+def _run(
+    argv: list[str], env: dict[str, str], cwd: str, log_path: str, new_session: bool, death_signal: int
+) -> None:
+    """The child: its own session (or the fork server's process group, which is its starter's), the signal
+    it gets when the fork server ends (it ends with its starter), its log as stdout and stderr, then the
+    CLI; atexit handlers at the end (multiprocessing leaves its children with `os._exit`, skipping them)."""
+    if new_session:
+        os.setsid()
+    # the fork server ends when every holder of its "alive" pipe's write end has: its starter and, as
+    # multiprocessing leaves it, each child; a child that lets go of it lets the fork server end with the
+    # starter, and `death_signal` then reach the child
+    server = multiprocessing.forkserver._forkserver
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is not None:
+        os.close(alive_fd)
+        server._forkserver_alive_fd = None  # type: ignore[attr-defined]
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    # `top` and `ps -o comm` tell the services apart (their command line is the fork server's)
+    libc.prctl(PR_SET_NAME, f"kvpath-{argv[1] if len(argv) > 1 else argv[0]}"[:15].encode())
+    if death_signal:
+        libc.prctl(PR_SET_PDEATHSIG, death_signal)
+        if os.getppid() == 1:  # the fork server (and so its starter) ended before the prctl
+            os.kill(os.getpid(), death_signal)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
@@ -66,7 +104,7 @@ def _run(argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
     os.environ.update(env)
     os.chdir(cwd)
     sys.argv = ["kvpath", *argv]
-    from services.cli import main
+    main = importlib.import_module(ENTRY).main  # by name: the CLI imports `kvpath up`, which imports this
 
     code: int | str | None = 0
     try:
@@ -82,12 +120,21 @@ class ForkedService:
     """`kvpath <argv>` in a child of the fork server (see the module's docstring)."""
 
     def __init__(
-        self, argv: list[str], *, env: dict[str, str], log_path: Path, cwd: str | None = None
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        log_path: Path | str,
+        cwd: str | None = None,
+        new_session: bool = True,
+        death_signal: int = 0,
     ) -> None:
+        """`new_session`: the child leads its own session and process group (Popen's `start_new_session`);
+        else it stays in the starter's group. `death_signal`: what the child gets when its starter ends
+        (PR_SET_PDEATHSIG); 0: none."""
         self.args = ["kvpath", *argv]
-        self._proc = context().Process(
-            target=_run, args=(argv, env, cwd or os.getcwd(), str(log_path)), daemon=True
-        )
+        run_args = (argv, env, cwd or os.getcwd(), str(log_path), new_session, death_signal)
+        self._proc = context().Process(target=_run, args=run_args, daemon=True)
         main = sys.modules["__main__"]
         spec = getattr(main, "__spec__", None)
         # multiprocessing would import the starting program's main module in the child (it runs the code
@@ -99,7 +146,8 @@ class ForkedService:
             main.__spec__ = spec
         assert self._proc.pid is not None
         self.pid: int = self._proc.pid
-        self._until_own_group()
+        if new_session:
+            self._until_own_group()
 
     def _until_own_group(self, timeout_s: float = 10.0) -> None:
         """Return once the child leads its own process group (as `start_new_session` gives a Popen on

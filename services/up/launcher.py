@@ -32,6 +32,7 @@ from pathlib import Path
 import aiohttp
 
 from gpu.model_spec import DEFAULT_MODEL, EMBEDDED_MODELS, PACKAGED_MODELS
+from services.up.forked import FRESH_ENV, ForkedService, stop_fork_server
 from services.up.supervision import Child, RestartPolicy, all_healthy, die_with_parent, tail, write_atomically
 from services.up.topology import (
     AUTO_DECODE_ENGINES,
@@ -219,10 +220,17 @@ class LocalCluster:
             KVPATH_JETSTREAM_REPLICAS=str(self.jetstream_replicas),
             PYTHONUNBUFFERED="1",
         )
-        cmd = [sys.executable, "-m", "services.cli", "serve", pspec.service, *pspec.args]
-        with open(log_path, "ab") as out:
-            proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
+        argv = ["serve", pspec.service, *pspec.args]
+        proc: subprocess.Popen[bytes] | ForkedService
+        if os.environ.get(FRESH_ENV):
+            with open(log_path, "ab") as out:
+                cmd = [sys.executable, "-m", "services.cli", *argv]
+                proc = subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
+                )
+        else:  # forked from the fork server, which imported torch and the services once
+            proc = ForkedService(
+                argv, env=env, log_path=log_path, new_session=False, death_signal=signal.SIGTERM
             )
         log.info("started %s pid=%d log=%s", pspec.name, proc.pid, log_path)
         return Child(pspec, proc, log_path)
@@ -369,6 +377,7 @@ class LocalCluster:
                 child.proc.wait(5)
         if self.nats is not None:
             self.nats.stop()
+        stop_fork_server()
         remove_segments(f"kvpath-{self.namespace}-")  # node buffers of services that had to be killed
 
 

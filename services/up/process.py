@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.up.forked import ForkedService
+from services.up.forked import FRESH_ENV, ForkedService
 from shared.natsserver import NatsServer
 from shared.shm import remove_segments
 
@@ -85,9 +85,6 @@ class UpProcess:
                 self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
-
-
-FRESH_ENV = "KVPATH_FRESH_PROCESSES"  # set: each service a fresh `python -m services.cli serve` interpreter
 
 
 class ServiceProcess:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 
+from services.up.forked import ForkedService
 from services.up.topology import ProcessSpec
 from shared.protocol import ServiceInfo
 
@@ -46,7 +47,7 @@ class RestartPolicy:
 @dataclass(slots=True)
 class Child:
     spec: ProcessSpec
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedService
     log_path: str
     exits: list[float] = field(default_factory=list)  # monotonic times it exited
     restarts: int = 0

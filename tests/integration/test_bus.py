@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import nats.js.errors
 import pytest
 
 from shared.bus import Bus, MsgContext, Registry
@@ -122,4 +123,31 @@ async def test_message_over_the_bus_limit_is_a_clear_error(nats_server: NatsServ
         await bus.request(bus.subjects.abort, huge, Ack, timeout_s=1)
     with pytest.raises(InvalidRequestError, match="exceeds the bus limit"):
         await bus.publish(bus.subjects.abort, huge)
+    await bus.close()
+
+
+async def test_a_registry_write_waits_out_a_stream_without_a_leader(
+    nats_server: NatsServer, namespace: str
+) -> None:
+    """A replicated bucket answers "no response from stream" until its replicas elect a leader (seen when
+    services start within a second of a 3-server cluster). The bucket's first two answers are that error
+    (a stand-in for the election, named as such: one server cannot cause it), then the real one."""
+    bus = await _bus(nats_server, namespace, "settle")
+    registry: Registry[ServiceInfo] = Registry(bus, ttl_s=5.0)
+    await registry.open()
+    real_put, refusals = registry.kv.put, []
+
+    async def electing_put(key: str, value: bytes) -> int:
+        if len(refusals) < 2:
+            refusals.append(key)
+            raise nats.js.errors.NoStreamResponseError
+        return await real_put(key, value)
+
+    registry.kv.put = electing_put  # type: ignore[method-assign]
+    await registry.put(ServiceInfo(service_id="router-0", service_kind="router", status="ready"))
+    assert refusals == ["router-0", "router-0"]
+    assert [s.service_id for s in await registry.list()] == ["router-0"]
+    refusals.clear()
+    with pytest.raises(nats.js.errors.NoStreamResponseError):  # past the settle time: the error, not a hang
+        await registry.put(ServiceInfo(service_id="router-1", service_kind="router"), settle_s=0.0)
     await bus.close()

@@ -4,6 +4,7 @@ a starting program's main module left alone (real processes; no NATS server is n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from services.up.forked import ForkedService
+from shared.natsserver import NatsServer
 
 
 def _until(check: object, timeout_s: float = 30.0) -> None:
@@ -38,8 +40,9 @@ def test_a_running_service_leads_its_own_group_reads_its_env_and_dies_by_the_sig
     try:
         assert os.getpgid(proc.pid) == os.getsid(proc.pid) == proc.pid != os.getpgid(0)
         assert proc.poll() is None
-        _until(lambda: "name=index-forked" in log.read_text())  # retrying the NATS URL it was given
+        _until(lambda: log.exists() and "name=index-forked" in log.read_text())  # retrying the given NATS URL
         assert os.readlink(f"/proc/{proc.pid}/cwd") == str(tmp_path)
+        assert Path(f"/proc/{proc.pid}/comm").read_text().strip() == "kvpath-index"  # what `top` shows
         with pytest.raises(subprocess.TimeoutExpired):
             proc.wait(0.05)
     finally:
@@ -64,3 +67,40 @@ def test_a_script_without_a_main_guard_starts_services_once(tmp_path: Path) -> N
         [sys.executable, str(script)], cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), timeout=120
     )
     assert out.returncode == 2 and marker.read_text() == "x"
+
+
+def test_a_service_in_its_starters_group_ends_when_the_starter_is_killed(tmp_path: Path) -> None:
+    """`kvpath up`'s children: in its process group, and SIGTERMed when it dies (even by SIGKILL), through
+    the fork server, which ends with its starter."""
+    import psutil
+
+    pid_file = tmp_path / "pid"
+    script = tmp_path / "starter.py"
+    script.write_text(
+        "import os, pathlib, signal, time\n"
+        "from services.up.forked import ForkedService\n"
+        "env = dict(os.environ, KVPATH_SERVICE_ID='index-starter')\n"
+        f"log = pathlib.Path({str(tmp_path / 'l')!r})\n"
+        "kw = dict(env=env, log_path=log, new_session=False, death_signal=signal.SIGTERM)\n"
+        "p = ForkedService(['serve', 'index'], **kw)\n"
+        f"pathlib.Path({str(pid_file)!r}).write_text(f'{{p.pid}} {{os.getpgid(p.pid)}}')\n"
+        "time.sleep(600)\n"
+    )  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    with NatsServer() as nats:  # the index serves until told to stop
+        env = dict(os.environ, PYTHONPATH=str(root), KVPATH_NATS_URL=nats.url, KVPATH_NAMESPACE="forked")
+        starter = subprocess.Popen([sys.executable, str(script)], cwd=root, env=env, start_new_session=True)
+        log = tmp_path / "l"
+        try:
+            _until(lambda: pid_file.exists() and pid_file.read_text())
+            child_pid, child_group = map(int, pid_file.read_text().split())
+            assert child_group == starter.pid  # the starter's group, as a Popen child without a new session
+            child = psutil.Process(child_pid)
+            _until(lambda: log.exists() and "service ready" in log.read_text(), timeout_s=60)
+            starter.kill()
+            starter.wait(10)
+            _until(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, timeout_s=60)
+            assert "service stopped" in log.read_text()  # SIGTERM: it drained and stopped
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(starter.pid, signal.SIGKILL)
