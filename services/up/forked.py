@@ -59,6 +59,14 @@ def context() -> ForkServerContext:
     return _context
 
 
+def start_fork_server() -> None:
+    """Start the fork server now (it imports `PRELOAD` in the background); the first fork waits for it."""
+    from multiprocessing import forkserver
+
+    context()
+    forkserver.ensure_running()
+
+
 def stop_fork_server() -> None:
     """End the fork server and multiprocessing's resource tracker and reap them (else, once this process
     exits, they are left to the host's init to reap). Forked children that still run are not touched."""
