@@ -1,4 +1,5 @@
-"""Service processes forked from a warm parent, for tests and benchmarks that start many small clusters.
+"""Service processes forked from a warm parent: `kvpath up`'s engines, and every service of the tests and
+benchmarks that start many small clusters one service at a time (`process.ServiceStack`).
 
 A `kvpath serve <service>` process spends ~2 s of CPU importing torch and the engine before it does anything
 (0.5 s for the router), and a test suite starts a few hundred of them. `ForkedService` starts the same
@@ -8,8 +9,9 @@ stderr, the environment and working directory it is given), that runs `services.
 exactly as `python -m services.cli serve ...` does, exits with its exit code (or dies by a signal, which
 `returncode` reports as -signal, as `subprocess.Popen` does), and runs its `atexit` handlers on the way out.
 What differs from a fresh interpreter: the imported modules' state as the fork server left it (none of
-kvpath's modules keeps any at import), and no `python -m` entry (`kvpath up`, which production uses, still
-starts its services as fresh interpreters).
+kvpath's modules keeps any at import; nothing it imports touches CUDA, which a fork could not inherit), no
+`python -m` entry, and an RSS that counts the fork server's pages it shares (why `kvpath up` forks only its
+engines). `KVPATH_FRESH_PROCESSES=1` starts fresh interpreters everywhere.
 
 The handle has the part of `subprocess.Popen`'s API the tests use: `pid`, `poll`, `wait`, `returncode`,
 `send_signal`, `terminate`, `kill`.
