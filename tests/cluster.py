@@ -20,7 +20,10 @@ async def wait_ready(
     timeout_s: float = 60,
     num_engines: int | None = None,
 ) -> dict:
-    """Every service registered as ready, and the router seeing every engine's load reports."""
+    """Every service registered as ready by a process of `procs` that still runs (a killed one's entry
+    stays in the registry until its TTL: a service started again under its id is ready when the new
+    process registered), and the router seeing every engine's load reports. Fails at once when one of
+    `procs` exited that the test did not end itself."""
     registry: Registry[ServiceInfo] = Registry(bus, ttl_s=5.0)
     await registry.open()
     loop = asyncio.get_running_loop()
@@ -28,14 +31,16 @@ async def wait_ready(
     if num_engines is None:
         num_engines = sum(1 for i in ids if i.startswith("engine"))
     while True:
-        ready = {s.service_id: s for s in await registry.list() if s.status == "ready"}
+        alive = {p.proc.pid for p in procs if p.proc.poll() is None}
+        listed = await registry.list()
+        ready = {s.service_id: s for s in listed if s.status == "ready" and s.pid in alive}
         has_router = "router-0" in ids
         if ids <= ready.keys() and (
             not has_router or await router_sees(ready["router-0"].http_url, num_engines)
         ):
             return ready
         for p in procs:
-            assert p.proc.poll() is None, p.log()
+            assert p.ended_on_purpose or p.proc.poll() is None, p.log()
         assert loop.time() < deadline, f"not ready: {ids - ready.keys()}"
         await asyncio.sleep(0.05)
 

@@ -116,11 +116,13 @@ class ServiceProcess:
         else:
             self.proc = ForkedService(["serve", service, *args], env=env, log_path=self.log_path)
         self._is_terminated = False
+        self.ended_on_purpose = False  # killed or told to stop by its starter (not a crash)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-8000:]
 
     def kill(self) -> None:
+        self.ended_on_purpose = True
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
@@ -128,6 +130,7 @@ class ServiceProcess:
     def terminate(self) -> None:
         """Ask it to stop (SIGTERM: it drains and exits), once: a second SIGTERM that lands after its event
         loop closed would kill it by the signal's default action; `stop()` waits for it."""
+        self.ended_on_purpose = True
         if self.proc.poll() is None and not self._is_terminated:
             self.proc.send_signal(signal.SIGTERM)
             self._is_terminated = True
