@@ -33,7 +33,13 @@ from functools import partial
 
 from services.policy.auto import LOCAL, Decision, Plan, Source
 from services.policy.snapshot import ROLE_DECODE, ROLE_PREFILL, EngineSnapshot
-from services.router.dispatch import MAX_DISPATCH_ATTEMPTS, Dispatch, attempt_request_id, publish_abort
+from services.router.dispatch import (
+    MAX_DISPATCH_ATTEMPTS,
+    Dispatch,
+    attempt_request_id,
+    publish_abort,
+    undispatched,
+)
 from services.router.engines import EngineTable
 from services.router.pd_tasks import pooled_blocks, prefill_turn, send_local, stored_blocks, take_turn
 from services.router.streams import StreamTable
@@ -42,7 +48,6 @@ from shared.errors import (
     DeadlineExceededError,
     EngineFailedError,
     KvpathError,
-    NoEngineAvailableError,
     OverloadedError,
     ServiceUnavailableError,
 )
@@ -125,11 +130,7 @@ async def dispatch_pd(
             error = fault.error
             continue
         return SentPlan(timings, decision, task.request_id)
-    if isinstance(error, OverloadedError):
-        raise error
-    raise NoEngineAvailableError(
-        "no prefill/decode engine is available" + (f" (last error: {error.message})" if error else "")
-    )
+    raise undispatched(error, deadline, "prefill/decode engine")
 
 
 async def _send(

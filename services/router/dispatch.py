@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 MAX_DISPATCH_ATTEMPTS = 3
 ENGINE_LOCAL_TIERS = ("hbm", "dram")  # KV locations that belong to one engine (`<tier>:<engine id>`)
+# how early an event-loop timer may fire (uvloop times on libuv's cached millisecond clock): an ack wait cut
+# to the request's deadline can end just before the clock says the deadline passed
+TIMER_SLACK_S = 0.005
 
 
 def attempt_request_id(request_id: str, attempt: int) -> str:
@@ -46,6 +49,17 @@ def attempt_request_id(request_id: str, attempt: int) -> str:
 def local_blocks(locality: Mapping[str, int], engine_id: str) -> int:
     """Leading prompt blocks engine `engine_id` holds in its own tiers."""
     return max((locality.get(f"{tier}:{engine_id}", 0) for tier in ENGINE_LOCAL_TIERS), default=0)
+
+
+def undispatched(error: KvpathError | None, deadline: float, engines: str) -> KvpathError:
+    """The error for a request no engine took, `error` being the last refusal: an overload stays a 429; a lost
+    ack at the request's deadline is a 504; anything else is a 503 naming it."""
+    if isinstance(error, OverloadedError):
+        return error
+    if isinstance(error, DeadlineExceededError) and time.monotonic() >= deadline - TIMER_SLACK_S:
+        return DeadlineExceededError("the request's deadline passed while dispatching it")
+    last = f" (last error: {error.message})" if error else ""
+    return NoEngineAvailableError(f"no {engines} is available{last}")
 
 
 class Dispatch(abc.ABC):
@@ -170,10 +184,4 @@ class ColocatedDispatch(Dispatch):
             refusal = error_from_code(ack.code or "overloaded", ack.message or "engine refused the task")
             if not isinstance(refusal, OverloadedError | ServiceUnavailableError):
                 raise refusal  # the request itself is bad: another engine would refuse it too
-        if isinstance(refusal, OverloadedError):
-            raise refusal
-        if isinstance(refusal, DeadlineExceededError) and time.monotonic() >= deadline:
-            raise DeadlineExceededError("the request's deadline passed while dispatching it")  # 504
-        raise NoEngineAvailableError(
-            "no engine is available" + (f" (last error: {refusal.message})" if refusal else "")
-        )
+        raise undispatched(refusal, deadline, "engine")

@@ -46,7 +46,7 @@ from services.policy.snapshot import ROLE_DECODE, ROLE_PREFILL
 from services.policy.thresholds import FALLBACK_PREFILL_TOKENS_PER_S
 from services.router import metrics
 from services.router.config import RouterConfig
-from services.router.dispatch import MAX_DISPATCH_ATTEMPTS, Dispatch, publish_abort
+from services.router.dispatch import MAX_DISPATCH_ATTEMPTS, Dispatch, publish_abort, undispatched
 from services.router.engines import ROLE_STORAGE, EngineTable
 from services.router.pd_tasks import send_local, send_remote
 from services.router.pd_tasks import stored_blocks as stored_count
@@ -130,11 +130,7 @@ class SessionDispatch(Dispatch):
                 continue
             self._started(plan, de, turn, decision, started)
             return timings
-        if isinstance(error, OverloadedError):
-            raise error
-        raise NoEngineAvailableError(
-            "no session engine is available" + (f" (last error: {error.message})" if error else "")
-        )
+        raise undispatched(error, deadline, "session engine")
 
     def _decode_engine(self, session: str, tried: set[str]) -> str | None:
         """The session's live bound engine, or a new binding (lowest occupancy) among the untried ones."""
