@@ -115,7 +115,11 @@ class Plan:
     @property
     def label(self) -> str:
         """The path, without engines: what `kvpath_router_plan_total{plan}` counts."""
-        return f"{self.where}/{self.source.value}"
+        return path_label(self.where, self.source)
+
+
+def path_label(where: str, source: Source) -> str:
+    return f"{where}/{source.value}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +198,7 @@ def _local_plans(req: AutoRequest, snap: AutoSnapshot, p: AutoProfiles, d: Engin
         if hit.source not in snap.sources:
             continue
         pre = _prefill(p, d, hit.tokens, req.prompt_tokens - hit.tokens)
-        ttft = p.calibrated(max(queue_s, hit.ready_s) + pre.ttft_s)
+        ttft = p.calibrated(max(queue_s, hit.ready_s) + pre.ttft_s, path_label(LOCAL, hit.source))
         harm = terms.stall_harm_s(p, pre.stall_s, d.num_decoding) + join
         plans.append(Plan(LOCAL, hit.source, d.engine_id, d.engine_id, hit.tokens, hit.at, ttft, harm))
     return plans
@@ -220,7 +224,7 @@ def _route_plans(req: AutoRequest, snap: AutoSnapshot, p: AutoProfiles, d: Engin
         pre = _prefill(p, d, 0, req.prompt_tokens - chunk)
         stall = terms.stall_harm_s(p, pre.stall_s + first, d.num_decoding)
         harm = stall + _join_harm(req, p, d) + p.itl_weight * later
-        ttft = p.calibrated(queue_s + pre.ttft_s + first)
+        ttft = p.calibrated(queue_s + pre.ttft_s + first, path_label(LOCAL, Source.ROUTE))
         plans.append(Plan(LOCAL, Source.ROUTE, d.engine_id, d.engine_id, chunk, holder, ttft, harm))
     return plans
 
@@ -253,7 +257,7 @@ def _remote_plans(
         pre = _prefill(p, pe, hit.tokens, req.prompt_tokens - hit.tokens)
         kept = hit.tokens if hit.source is Source.HBM else 0  # the decode engine already holds these
         handoff = terms.link_s(p, req.prompt_tokens - kept, pe.link_busy_s)
-        ttft = p.calibrated(max(queue_s, hit.ready_s) + pre.ttft_s + handoff)
+        ttft = p.calibrated(max(queue_s, hit.ready_s) + pre.ttft_s + handoff, path_label(REMOTE, hit.source))
         plans.append(Plan(REMOTE, hit.source, pe.engine_id, d.engine_id, hit.tokens, hit.at, ttft, join))
     return plans
 

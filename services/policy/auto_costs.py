@@ -20,7 +20,8 @@ token). Nothing here reads a clock, a file or the bus.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from services.policy.ampd_costs import STORAGE, CostModel, Piecewise
 from services.policy.movequery import CostProfile, route_exchange_s
@@ -41,7 +42,8 @@ class AutoProfiles:
     requests delays n completions by a second each, as much as this request's wait); `overhead_s`: what every
     request pays outside the model before its first token (dispatch, bus, delivery) and `time_scale` how much
     slower than profiled the machine runs now, both learned online by the router from its measured TTFTs
-    (`auto_calibration.py`): a plan's TTFT is overhead_s + time_scale x the profile's."""
+    (`auto_calibration.py`): a plan's TTFT is overhead_s + time_scale x the profile's, times `path_scale` of
+    its path (a plan's label, e.g. `remote/hbm`) where the router measured that path off by a clear margin."""
 
     costs: CostModel
     data_link: str = DEFAULT_DATA_LINK
@@ -52,6 +54,7 @@ class AutoProfiles:
     itl_weight: float = 1.0
     overhead_s: float = 0.0
     time_scale: float = 1.0
+    path_scale: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not (self.itl_weight >= 0 and self.overhead_s >= 0 and self.time_scale > 0):
@@ -60,8 +63,8 @@ class AutoProfiles:
                 f"time_scale={self.time_scale} (> 0)"
             )
 
-    def calibrated(self, raw_ttft_s: float) -> float:
-        return self.overhead_s + self.time_scale * raw_ttft_s
+    def calibrated(self, raw_ttft_s: float, path: str = "") -> float:
+        return (self.overhead_s + self.time_scale * raw_ttft_s) * self.path_scale.get(path, 1.0)
 
 
 def prefill_queue_s(

@@ -1,7 +1,5 @@
 """`--policy auto`: one cost model (`services/policy/auto.py`) picks each request's engine(s), and with them
-the path its hit KV takes; every decision is explained.
-
-What a colocated topology offers, and so what auto chooses among there: the prefix resident in an engine's
+the path its hit KV takes; every decision is explained. What a colocated topology offers, and so what auto chooses among there: the prefix resident in an engine's
 own cache (`hbm:` / `dram:<engine>` in the index's answer; both count as the `hbm` source and are priced as
 free to reach, though a local DRAM cache is a memory copy away), the shared pool (`cxl:<pool>`, `--kv-tier
 pool`), storage read on the engine's node, or recomputing it. The engine, not the router, loads from the best
@@ -11,18 +9,17 @@ is two more sources: resident on its holder (the holder copies it into the reque
 rows go to the holder) on every other engine, priced with the move-the-query profile; auto's plan then sets
 the primitive `route_choice.py` writes into the request (route, fetch for a hit read from a tier, local for
 recompute). A forced `--move-query route|fetch|local` still decides after auto picked the engine.
-While prefill/decode engines serve instead, the plans are theirs (remote prefill on a PE with the history
-from the pool, storage on either node or the decode engine's cache, local prefill on a session decode
-engine, recompute: `--auto-decode-engines` says which) and `auto_pd.py` executes the chosen one.
+On prefill/decode engines the plans are theirs (remote prefill on a PE with the history from the pool,
+storage on either node or the decode engine's cache, local prefill on a session decode engine, recompute:
+`--auto-decode-engines` says which) and `auto_pd.py` executes the chosen one.
 
 Queues: the router keeps a ledger of its own predictions (prefilling engine -> request -> predicted
 first-token time) and prices an engine's queue as the latest of those still open; running decodes and
-context from the load reports. What the model leaves out (dispatch, bus, first-token delivery) and how much
-slower than profiled the machine runs now are learned online from the measured TTFTs
-(`services/policy/auto_calibration.py`).
-Explained: `kvpath_router_plan_total{plan}`, an `auto_plan` span per request from dispatch to first
-token (plan, engines, predicted TTFT and harm, runner-up, measured TTFT) and
-`kvpath_router_plan_ttft_error_seconds`; a log line per request at debug level.
+context from the load reports. What the model leaves out (dispatch, bus, first-token delivery), how much
+slower than profiled the machine runs now, and the paths it still prices off are learned online from the
+measured TTFTs (`services/policy/auto_calibration.py`). Explained: `kvpath_router_plan_total{plan}`, an
+`auto_plan` span per request from dispatch to first token (plan, engines, predicted TTFT and harm,
+runner-up, measured TTFT), `kvpath_router_plan_ttft_error_seconds`; a log line per request at debug level.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ from typing import Any
 
 from services.policy.ampd_costs import STORAGE, CostModel, linear_cost_model
 from services.policy.auto import AUTO, AutoRequest, AutoSnapshot, Decision, EngineLoad, Plan, Source, plan
-from services.policy.auto_calibration import TtftCalibration
+from services.policy.auto_calibration import PathCorrection, TtftCalibration
 from services.policy.auto_costs import DEFAULT_MAX_NUM_BATCHED_TOKENS, POOL, AutoProfiles
 from services.policy.snapshot import ROLE_COLOCATED, EngineSnapshot
 from services.policy.thresholds import FALLBACK_PREFILL_TOKENS_PER_S
@@ -67,7 +64,8 @@ class _Open:
     decision: Decision
     dispatched_at: float
     span: Any
-    raw_ttft_s: float  # the prediction before calibration
+    raw_ttft_s: float  # the prediction before calibration, and (base) calibrated before its path's factor
+    base_ttft_s: float
     task_id: str  # the id the engines know the request by (a retried dispatch's own)
 
 
@@ -113,12 +111,12 @@ class AutoDispatch(ColocatedDispatch):
     ) -> None:
         super().__init__(engines, bus, router_id, ack_timeout_s, policy=AUTO)
         self.pd_sources, self.local_on_decode = PD_PATHS[decode_engines]
-        self.profiled = (
-            CostModel.from_dict(json.loads(Path(cost_profile).read_text())) if cost_profile else None
-        )
+        profiled = json.loads(Path(cost_profile).read_text()) if cost_profile else None
+        self.profiled = CostModel.from_dict(profiled) if profiled is not None else None
         self.kv_link = kv_link
         self.ledger = PlanLedger()
         self.calibration = TtftCalibration()  # learned: overhead outside the model, the machine's speed now
+        self.paths = PathCorrection()  # learned: the paths the calibrated profile still prices off
         self._picked: dict[str, Decision] = {}
         self._reserved: dict[str, str] = {}  # request -> prefill engine, decided and not yet sent
         self._open: dict[str, _Open] = {}
@@ -249,6 +247,7 @@ class AutoDispatch(ColocatedDispatch):
             route_fabric=routing.fabric if routing is not None else self.kv_link,
             overhead_s=cal.overhead_s,
             time_scale=cal.scale,
+            path_scale=self.paths.factors,
         )
 
     def _measured_costs(self) -> CostModel:
@@ -308,7 +307,8 @@ class AutoDispatch(ColocatedDispatch):
         metrics.PLANS.labels(chosen.label).inc()
         self._reserved.pop(request_id, None)  # the reservation becomes the open plan
         self.ledger.add(chosen.prefill_engine, request_id, started + self._model_s(chosen))
-        raw_s = self._model_s(chosen) / self.calibration.scale  # the profile's own prediction
+        base_s = chosen.ttft_s / self.paths.factor(chosen.label)
+        raw_s = max(0.0, base_s - self.calibration.overhead_s) / self.calibration.scale  # the profile's own
         self._engines_of[request_id] = (chosen.prefill_engine, chosen.decode_engine)
         attributes = {
             "plan": chosen.label,
@@ -327,7 +327,7 @@ class AutoDispatch(ColocatedDispatch):
                 "runner_up_cost_s": runner.cost_s,
             }
         span = telemetry.start_span("auto_plan", attributes=attributes)
-        self._open[request_id] = _Open(decision, started, span, raw_s, task_id)
+        self._open[request_id] = _Open(decision, started, span, raw_s, base_s, task_id)
         if task_id != request_id:
             self._request_of[task_id] = request_id
 
@@ -355,6 +355,7 @@ class AutoDispatch(ColocatedDispatch):
         self.ledger.started(chosen.prefill_engine, chosen.decode_engine, request_id)
         metrics.PLAN_TTFT_ERROR.observe(abs(chosen.ttft_s - measured_s))
         self.calibration.observe(done.raw_ttft_s, measured_s)
+        self.paths.observe(chosen.label, done.base_ttft_s, measured_s)
         telemetry.end_span(done.span, attributes={"measured_ttft_s": measured_s})
         log.debug(
             "auto plan request_id=%s plan=%s engine=%s predicted_ttft_s=%.4f measured_ttft_s=%.4f",

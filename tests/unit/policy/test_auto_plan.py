@@ -146,6 +146,20 @@ def test_the_router_calibration_applies_to_every_plan_kind() -> None:
         assert b.ttft_s == pytest.approx(0.1 + 2.0 * a.ttft_s), a.label
 
 
+def test_a_path_correction_scales_only_its_own_path_and_can_flip_the_choice() -> None:
+    engines = (EngineLoad("pe0", "prefill", 0), EngineLoad("de0", "decode", 0, num_decoding=1))
+    req = AutoRequest("s", 8050, output_tokens=8, resident_tokens={"de0": 8000})
+    snap = AutoSnapshot(engines)
+    before = plan(req, snap, P)
+    assert before is not None and before.chosen.label == "local/hbm"
+    corrected = replace(P, path_scale={"local/hbm": 5.0})  # measured 5x its price: remote is cheaper
+    raw, scaled = enumerate_plans(req, snap, P), enumerate_plans(req, snap, corrected)
+    for a, b in zip(raw, scaled, strict=True):
+        assert b.ttft_s == pytest.approx(a.ttft_s * (5.0 if a.label == "local/hbm" else 1.0)), a.label
+    after = plan(req, snap, corrected)
+    assert after is not None and after.chosen.label == "remote/hbm"
+
+
 def test_a_local_prefill_is_priced_in_chunks_next_to_the_running_decodes() -> None:
     """TTFT: each chunk's T_pre plus one step of the 4 running decodes (9 ms); harm: each decode waits the
     chunks' T_pre; the live default budget (2048) takes two steps, so an earlier first token."""
