@@ -104,3 +104,41 @@ def test_a_service_in_its_starters_group_ends_when_the_starter_is_killed(tmp_pat
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(starter.pid, signal.SIGKILL)
+
+
+# Run in a fresh interpreter: torch.cuda's entry points are wrapped before anything of the fork server's
+# preload is imported, and every call is recorded with where it came from.
+_CUDA_AT_IMPORT = """
+import importlib, traceback, torch
+calls = []
+names = ("is_available", "device_count", "init", "current_device", "get_device_name", "get_device_properties")
+for name in names:
+    real = getattr(torch.cuda, name)
+    def wrapped(*a, _name=name, _real=real, **k):
+        calls.append(_name + " from " + traceback.format_stack(limit=3)[0].strip())
+        return _real(*a, **k)
+    setattr(torch.cuda, name, wrapped)
+from services.up.forked import PRELOAD
+for module in PRELOAD:
+    importlib.import_module(module)
+import sys
+print(len(calls), "cupy" in sys.modules)
+print(*calls, sep="\\n")
+"""
+
+
+def test_the_fork_servers_preload_never_touches_cuda() -> None:
+    """A process that initialised CUDA cannot hand it to a fork: if importing the preload (torch, the
+    engine, the runner) made one CUDA call, every forked engine on a GPU host would fail its first kernel.
+    No GPU here, so the calls themselves are what is checked."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CUDA_AT_IMPORT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    count, cupy_imported = done.stdout.splitlines()[0].split()
+    assert count == "0", done.stdout
+    assert cupy_imported == "False"  # cupy is imported where a GPU path runs, never at import
