@@ -1,14 +1,15 @@
 """`--policy auto`: one cost model (`services/policy/auto.py`) picks each request's engine(s), and with them
-the path its hit KV takes; every decision is explained. What a colocated topology offers, and so what auto chooses among there: the prefix resident in an engine's
-own cache (`hbm:` / `dram:<engine>` in the index's answer; both count as the `hbm` source and are priced as
-free to reach, though a local DRAM cache is a memory copy away), the shared pool (`cxl:<pool>`, `--kv-tier
-pool`), storage read on the engine's node, or recomputing it. The engine, not the router, loads from the best
-tier it has, so the plan's source is auto's prediction of what the chosen engine will do (the cheaper source
-on an engine is always the one it takes). With `--move-query auto` a chunk held by an engine (`held:<engine>`)
-is two more sources: resident on its holder (the holder copies it into the request), and `route` (the query
-rows go to the holder) on every other engine, priced with the move-the-query profile; auto's plan then sets
-the primitive `route_choice.py` writes into the request (route, fetch for a hit read from a tier, local for
-recompute). A forced `--move-query route|fetch|local` still decides after auto picked the engine.
+the path its hit KV takes; every decision is explained. What a colocated topology offers, and so what auto
+chooses among there: the prefix resident in an engine's own cache (`hbm:` / `dram:<engine>` in the index's
+answer; both count as the `hbm` source and are priced as free to reach, though a local DRAM cache is a
+memory copy away), the shared pool (`cxl:<pool>`, `--kv-tier pool`), storage read on the engine's node, or
+recomputing it. The engine, not the router, loads from the best tier it has, so the plan's source is auto's
+prediction of what the chosen engine will do (the cheaper source on an engine is always the one it takes).
+With `--move-query auto` a chunk held by an engine (`held:<engine>`) is two more sources: resident on its
+holder (the holder copies it into the request), and `route` (the query rows go to the holder) on every
+other engine, priced with the move-the-query profile; auto's plan then sets the primitive `route_choice.py`
+writes into the request (route, fetch for a hit read from a tier, local for recompute). A forced
+`--move-query route|fetch|local` still decides after auto picked the engine.
 On prefill/decode engines the plans are theirs (remote prefill on a PE with the history from the pool,
 storage on either node or the decode engine's cache, local prefill on a session decode engine, recompute:
 `--auto-decode-engines` says which) and `auto_pd.py` executes the chosen one.
