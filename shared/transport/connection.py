@@ -23,8 +23,8 @@ from shared.transport.reader import FrameReader
 from shared.transport.region import Region
 from shared.transport.spin import Spinner
 from shared.transport.wire import (
+    IMM,
     SENDER_TYPES,
-    Flag,
     FrameError,
     FrameType,
     Header,
@@ -197,7 +197,7 @@ class ReceiverConnection:
             self._answer(header.seq, TransportError(f"unknown region id {header.region_id}", param="region"))
             return
         notice = Notice(region.name, header.tag, meta, self.peer_id, header.value)
-        if header.flags & Flag.IMM:
+        if int(header.flags) & IMM:
             task = self._loop.create_task(self._join_and_post(header, notice))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

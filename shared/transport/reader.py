@@ -47,6 +47,7 @@ class FrameReader:
         "_filled",
         "_header",
         "_header_buf",
+        "_idle_views",
         "_limits",
         "_meta",
         "_payload_left",
@@ -62,6 +63,7 @@ class FrameReader:
         self._limits = limits
         self._allowed = allowed
         self._header_buf = bytearray(HEADER_BYTES)
+        self._idle_views = [memoryview(self._header_buf)]  # between frames: built once, not per receive
         self._scratch: memoryview | None = None
         self._reset()
 
@@ -87,7 +89,8 @@ class FrameReader:
     def buffers(self) -> list[memoryview]:
         """Where the next received bytes must go, in order (never empty)."""
         if self._state == "header":
-            return [memoryview(self._header_buf)[self._filled :]]
+            filled = self._filled
+            return self._idle_views if not filled else [self._idle_views[0][filled:]]
         if self._state == "tail":
             return [memoryview(self._tail)[self._filled :]]
         return self._targets[:MAX_IOV]
@@ -105,11 +108,15 @@ class FrameReader:
 
     def _on_header(self) -> None:
         header = unpack(self._header_buf, self._limits, self._allowed)
-        self._header = header
         tail_len = header.table_len + header.meta_len
         if tail_len:
+            self._header = header
             self._state, self._filled, self._tail = "tail", 0, bytearray(tail_len)
+        elif header.type is not FrameType.WRITE:  # a bare frame (an ack, a notice): done, nothing to reset
+            self._filled = 0
+            self._sink.on_frame(header, b"")
         else:
+            self._header = header
             self._on_tail()
 
     def _on_tail(self) -> None:

@@ -63,9 +63,10 @@ class Flag(enum.IntFlag):
     IMM = 2  # NOTICE frame: join with the RDMA immediate `aux`
 
 
-# enum construction is slow; headers are parsed on the hot path
+# enum construction and arithmetic are slow; headers are parsed on the hot path
 _TYPES = {int(t): t for t in FrameType}
 _FLAGS = {int(f): f for f in (Flag(v) for v in range(4))}
+_NOTICE, IMM = int(Flag.NOTICE), int(Flag.IMM)
 
 SENDER_TYPES = frozenset(
     {FrameType.HELLO, FrameType.LOOKUP, FrameType.WRITE, FrameType.NOTICE, FrameType.BYE}
@@ -96,7 +97,7 @@ class Header:
 
     @property
     def has_notice(self) -> bool:
-        return bool(self.flags & Flag.NOTICE)
+        return bool(int(self.flags) & _NOTICE)  # int first: IntFlag's own `&` runs in Python, per frame
 
 
 @dataclass(slots=True, frozen=True)

@@ -60,8 +60,10 @@ def _stream() -> tuple[bytes, list[tuple[int, bytes]]]:
     extents = [(0, rng.bytes(300)), (1000, b""), (500, rng.bytes(77)), (2000, rng.bytes(1500))]
     hello = pack(Header(FrameType.HELLO, seq=1, meta_len=4)) + b"ping"
     notice = pack(Header(FrameType.NOTICE, Flag.NOTICE, seq=3, region_id=1, tag=9, meta_len=2)) + b"ok"
+    bare = pack(Header(FrameType.NOTICE, Flag.NOTICE, seq=4, region_id=1, tag=10))  # header only
+    empty_write = _write_frame(5, [])  # header only too, but a WRITE: begin and end
     bye = pack(Header(FrameType.BYE))
-    return hello + _write_frame(2, extents, b"meta") + notice + bye, extents
+    return hello + _write_frame(2, extents, b"meta") + notice + bare + empty_write + bye, extents
 
 
 def _feed(reader: FrameReader, stream: bytes, chunk: int) -> None:
@@ -92,6 +94,9 @@ def test_any_split_gives_same_frames_and_bytes(chunk: int) -> None:
         ("begin", FrameType.WRITE, 2, b"meta"),
         ("end", FrameType.WRITE, 2, b"meta"),
         ("frame", FrameType.NOTICE, 3, b"ok"),
+        ("frame", FrameType.NOTICE, 4, b""),
+        ("begin", FrameType.WRITE, 5, b""),
+        ("end", FrameType.WRITE, 5, b""),
         ("frame", FrameType.BYE, 0, b""),
     ]
     for offset, data in extents:
