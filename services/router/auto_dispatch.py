@@ -19,8 +19,8 @@ first-token time) and prices an engine's queue as the latest of those still open
 context from the load reports. What the model leaves out (dispatch, bus, first-token delivery), how much
 slower than profiled the machine runs now, and the paths it still prices off are learned online from the
 measured TTFTs (`services/policy/auto_calibration.py`). Explained: `kvpath_router_plan_total{plan}`, an
-`auto_plan` span per request from dispatch to first token (plan, engines, predicted TTFT and harm,
-runner-up, measured TTFT), `kvpath_router_plan_ttft_error_seconds`; a log line per request at debug level.
+`auto_plan` span per request from dispatch to first token (plan, engines, predicted TTFT, the path's factor,
+harm, runner-up, measured TTFT), `kvpath_router_plan_ttft_error_seconds`; a debug log line per request.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import logging
 import statistics
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from services.router.auto_pd import PD_PATHS, SESSION_DECODE, dispatch_pd, has_p
 from services.router.config import RouterConfig
 from services.router.dispatch import ColocatedDispatch, local_blocks
 from services.router.engines import ROLE_STORAGE, EngineTable
+from services.router.plan_ledger import PlanLedger
 from services.router.streams import StreamTable
 from shared import telemetry
 from shared.bus import Bus
@@ -65,37 +66,9 @@ class _Open:
     decision: Decision
     dispatched_at: float
     span: Any
-    raw_ttft_s: float  # the prediction before calibration, and (base) calibrated before its path's factor
-    base_ttft_s: float
+    raw_ttft_s: float  # the prediction before calibration
+    base_ttft_s: float  # calibrated, before its path's factor
     task_id: str  # the id the engines know the request by (a retried dispatch's own)
-
-
-@dataclass(slots=True)
-class PlanLedger:
-    """What this router sent each engine and has not seen finish: requests waiting for their first token
-    (with its predicted time) and requests decoding. Fresher than load reports for one router's own work."""
-
-    first_token_at: dict[str, dict[str, float]] = field(default_factory=dict)
-    decoding: dict[str, set[str]] = field(default_factory=dict)
-
-    def add(self, engine_id: str, request_id: str, at: float) -> None:
-        self.first_token_at.setdefault(engine_id, {})[request_id] = at
-
-    def started(self, prefill_engine: str, decode_engine: str, request_id: str) -> None:
-        """The first token came: the request decodes now (on the engine that prefilled it, or another)."""
-        self.first_token_at.get(prefill_engine, {}).pop(request_id, None)
-        self.decoding.setdefault(decode_engine, set()).add(request_id)
-
-    def drop(self, engine_id: str, request_id: str) -> None:
-        self.first_token_at.get(engine_id, {}).pop(request_id, None)
-        self.decoding.get(engine_id, set()).discard(request_id)
-
-    def busy_s(self, engine_id: str, now: float) -> float:
-        """How long the engine is busy with what this router sent it, by the router's own predictions."""
-        return max([at - now for at in self.first_token_at.get(engine_id, {}).values()] + [0.0])
-
-    def num_decoding(self, engine_id: str) -> int:
-        return len(self.decoding.get(engine_id, ()))
 
 
 class AutoDispatch(ColocatedDispatch):
@@ -308,7 +281,8 @@ class AutoDispatch(ColocatedDispatch):
         metrics.PLANS.labels(chosen.label).inc()
         self._reserved.pop(request_id, None)  # the reservation becomes the open plan
         self.ledger.add(chosen.prefill_engine, request_id, started + self._model_s(chosen))
-        base_s = chosen.ttft_s / self.paths.factor(chosen.label)
+        path_factor = self.paths.factor(chosen.label)
+        base_s = chosen.ttft_s / path_factor
         raw_s = max(0.0, base_s - self.calibration.overhead_s) / self.calibration.scale  # the profile's own
         self._engines_of[request_id] = (chosen.prefill_engine, chosen.decode_engine)
         attributes = {
@@ -317,6 +291,7 @@ class AutoDispatch(ColocatedDispatch):
             "prefill_engine_id": chosen.prefill_engine,
             "hit_tokens": chosen.hit_tokens,
             "predicted_ttft_s": chosen.ttft_s,
+            "path_factor": path_factor,  # learned for this path (1: priced as calibrated)
             "harm_s": chosen.harm_s,
             "meets_slo": decision.meets_slo,
             "num_plans": decision.num_plans,
@@ -359,12 +334,15 @@ class AutoDispatch(ColocatedDispatch):
         self.paths.observe(chosen.label, done.base_ttft_s, measured_s)
         telemetry.end_span(done.span, attributes={"measured_ttft_s": measured_s})
         log.debug(
-            "auto plan request_id=%s plan=%s engine=%s predicted_ttft_s=%.4f measured_ttft_s=%.4f",
+            "auto plan request_id=%s plan=%s engine=%s predicted_ttft_s=%.4f measured_ttft_s=%.4f"
+            " raw_ttft_s=%.5f path_factor=%.3f",
             request_id,
             chosen.label,
             chosen.decode_engine,
             chosen.ttft_s,
             measured_s,
+            done.raw_ttft_s,
+            chosen.ttft_s / done.base_ttft_s if done.base_ttft_s > 0 else 1.0,
         )
 
 
