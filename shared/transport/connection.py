@@ -70,6 +70,7 @@ class ReceiverConnection:
         self._loop = asyncio.get_running_loop()
         self._reader = FrameReader(self, core.limits, SENDER_TYPES)
         self._spinner = Spinner(core.spin_s)
+        self._spin_queued = False
         self._out = bytearray()
         self._write_error: KvpathError | None = None
         self._write_region: Region | None = None
@@ -84,10 +85,23 @@ class ReceiverConnection:
     def _on_readable(self) -> None:
         """Read and handle frames until the socket is dry; then poll it briefly for the sender's next frame
         (`spin.Spinner`: bounded, adaptive): a sender with one op in flight sends the next within
-        microseconds of our reply, and catching it here skips two wakeups through the event loop. One
-        poll per callback, so other callbacks and tasks still run (a notice's waiter among them)."""
+        microseconds of our reply, and catching it here skips two wakeups through the event loop."""
         if self._read_until_dry() >= 0 and self._spinner.budget_s:
-            self._spinner.poll(self._read_more)
+            self._spin_soon()
+
+    def _spin_soon(self) -> None:
+        """Poll once the loop has run what is ready (a notice's waiter among them: it learns of its notice
+        before we poll, not after), and after each poll that caught a frame, poll again, so that a sender
+        streaming one op at a time finds us awake on every frame rather than waking us from epoll on every
+        other one. A miss (or a closed connection) ends the chain; the next readable callback starts one."""
+        if not self._spin_queued:
+            self._spin_queued = True
+            self._loop.call_soon(self._spin)
+
+    def _spin(self) -> None:
+        self._spin_queued = False
+        if not self.is_closed and self._spinner.poll(self._read_more) and not self.is_closed:
+            self._spin_soon()
 
     def _read_more(self) -> bool:
         """One spin step: True once whole frames arrived (handled, answered) or the spin must end; a frame
