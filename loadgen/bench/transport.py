@@ -5,6 +5,11 @@ message size, the sender streams `--total-mib` of messages, each a `write(..., t
 child consumes, with `--window` writes in flight; a message counts when its write returned (bytes in the
 receiver's region, notice posted). Baseline: the same bytes over one plain TCP socket, `sendall` here and
 `recv_into` a preallocated buffer there, no framing, no notices. Prints a table (and JSON with --json).
+
+`--neighbor`: a CPU-bound process (a pure-Python counting loop) runs beside both ends for the whole
+measurement, as on a loaded machine, and its rate is printed: run it with and without `--spin-us 0` to see
+what polling costs a neighbour and what it buys the writes (the transport's polling must not slow a loaded
+2-core machine; README "Hot paths").
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -47,6 +53,11 @@ def register(subparsers: Any) -> None:
         default=None,
         help="TransportConfig.spin_us of both ends (default: its default)",
     )
+    parser.add_argument(
+        "--neighbor",
+        action="store_true",
+        help="run a CPU-bound process beside both ends and print its rate (a loaded machine)",
+    )
     parser.add_argument("--json", default="", help="also write the results to this file")
     parser.set_defaults(func=run_bench)
 
@@ -61,7 +72,9 @@ def run_bench(args: argparse.Namespace) -> int:
         stdout=subprocess.PIPE,
         text=True,
     )
+    neighbor = None
     try:
+        neighbor = _start_neighbor() if args.neighbor else None
         results = asyncio.run(
             _measure_all(
                 child,
@@ -75,15 +88,50 @@ def run_bench(args: argparse.Namespace) -> int:
             )
         )
     finally:
+        rate = _stop_neighbor(neighbor) if neighbor is not None else None
         if child.stdin is not None:
             child.stdin.close()
         child.wait(timeout=30)
     _print_table(results, backends)
+    if rate is not None:
+        print(f"neighbor (a CPU-bound process beside both ends): {rate / 1e6:.1f} M iterations/s")
     if args.json:
         fixed = {b: fixed_cost_us(results, b) for b in backends}
+        doc: dict[str, Any] = {"unit": "GB/s (1e9 bytes/s)", "results": results, "fixed_cost_us": fixed}
+        if rate is not None:
+            doc["neighbor_iterations_per_s"] = rate
         with open(args.json, "w") as f:
-            json.dump({"unit": "GB/s (1e9 bytes/s)", "results": results, "fixed_cost_us": fixed}, f, indent=2)
+            json.dump(doc, f, indent=2)
     return 0
+
+
+def _start_neighbor() -> subprocess.Popen[str]:
+    neighbor = subprocess.Popen(
+        [sys.executable, "-m", "loadgen.bench.transport", "--neighbor"], stdout=subprocess.PIPE, text=True
+    )
+    assert neighbor.stdout is not None
+    if json.loads(neighbor.stdout.readline()) != "counting":
+        raise RuntimeError("bench neighbor did not start")
+    return neighbor
+
+
+def _stop_neighbor(neighbor: subprocess.Popen[str]) -> float:
+    """Stop the neighbour; its iterations per second while it ran."""
+    neighbor.send_signal(signal.SIGTERM)
+    out, _ = neighbor.communicate(timeout=30)
+    return float(json.loads(out.splitlines()[-1]))
+
+
+def _count_until_terminated() -> None:
+    """The neighbour: count in pure Python until SIGTERM, then print the rate."""
+    stop = [False]
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__(0, True))
+    print(json.dumps("counting"), flush=True)
+    start, n = time.perf_counter(), 0
+    while not stop[0]:
+        for _ in range(10_000):
+            n += 1
+    print(json.dumps(n / (time.perf_counter() - start)), flush=True)
 
 
 async def _measure_all(
@@ -257,7 +305,9 @@ def _baseline_receive(listener: socket.socket, size: int, count: int) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--serve"]:
+    if sys.argv[1:2] == ["--neighbor"]:
+        _count_until_terminated()
+    elif sys.argv[1:2] == ["--serve"]:
         spin = sys.argv[3] if len(sys.argv) > 3 else "None"
         asyncio.run(_serve(int(sys.argv[2]), None if spin == "None" else float(spin)))
     else:
