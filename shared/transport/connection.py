@@ -94,13 +94,13 @@ class ReceiverConnection:
         before we poll, not after), and after each poll that caught a frame, poll again, so that a sender
         streaming one op at a time finds us awake on every frame rather than waking us from epoll on every
         other one. A miss (or a closed connection) ends the chain; the next readable callback starts one."""
-        if not self._spin_queued:
+        if not self._spin_queued and self._spinner.chance():  # backing off: no extra turn of the loop
             self._spin_queued = True
             self._loop.call_soon(self._spin)
 
     def _spin(self) -> None:
         self._spin_queued = False
-        if not self.is_closed and self._spinner.poll(self._read_more) and not self.is_closed:
+        if not self.is_closed and self._spinner.spin(self._read_more) and not self.is_closed:
             self._spin_soon()
 
     def _read_more(self) -> bool:
