@@ -190,8 +190,8 @@ class ControlChannel:
             self._deadlines.forget(seq)
 
     def _spin_for(self, future: asyncio.Future[Reply]) -> None:
-        def replied() -> bool:
-            self._on_readable()
+        def replied() -> bool:  # one receive per try: the reply's arrival ends the poll without a dry read
+            self._read_once()
             return future.done() or self._broken is not None
 
         self.spinner.poll(replied)
@@ -199,22 +199,29 @@ class ControlChannel:
     # ------------------------------------------------------------------ replies
     def _on_readable(self) -> None:
         """Reader callback (registered for the channel's life): parse replies until the socket is dry."""
-        while self._broken is None:
-            try:
-                nbytes = self._sock.recvmsg_into(self._reader.buffers())[0]
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self.break_(f"receive failed: {exc}")
-                return
-            if nbytes == 0:
-                self.break_("connection closed by the receiver")
-                return
-            try:
-                self._reader.advance(nbytes)
-            except KvpathError as exc:
-                self.break_(f"bad reply: {exc.message}")
-                return
+        while self._read_once():
+            pass
+
+    def _read_once(self) -> bool:
+        """One receive into the reader; True when it brought bytes (more may be waiting)."""
+        if self._broken is not None:
+            return False
+        try:
+            nbytes = self._sock.recvmsg_into(self._reader.buffers())[0]
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            self.break_(f"receive failed: {exc}")
+            return False
+        if nbytes == 0:
+            self.break_("connection closed by the receiver")
+            return False
+        try:
+            self._reader.advance(nbytes)
+        except KvpathError as exc:
+            self.break_(f"bad reply: {exc.message}")
+            return False
+        return True
 
     def on_frame(self, header: Header, meta: bytes) -> None:
         future = self._pending.pop(header.seq, None)
