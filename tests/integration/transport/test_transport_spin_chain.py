@@ -34,7 +34,8 @@ async def _reply(reader: asyncio.StreamReader) -> bytes:
 
 
 async def test_a_sender_with_one_op_in_flight_finds_the_receiver_polling_on_every_frame() -> None:
-    rx = KvReceiver(TransportConfig(backends=["tcp"]), receiver_id="rx-spin")
+    # a 10 ms poll: a frame this task sent is in the socket at once, the budget only absorbs a stall
+    rx = KvReceiver(TransportConfig(backends=["tcp"], spin_us=10_000), receiver_id="rx-spin")
     await rx.start()
     try:
         rx.register_region("buf", 1 << 16)
