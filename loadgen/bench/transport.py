@@ -5,6 +5,9 @@ message size, the sender streams `--total-mib` of messages, each a `write(..., t
 child consumes, with `--window` writes in flight; a message counts when its write returned (bytes in the
 receiver's region, notice posted). Baseline: the same bytes over one plain TCP socket, `sendall` here and
 `recv_into` a preallocated buffer there, no framing, no notices. Prints a table (and JSON with --json).
+`--repeats N`: N whole measurements, each against a fresh receiver process (on a shared 2-core host a
+latency-bound tcp run moves by up to 3x from one run to the next); the table shows the medians, each run's
+fixed cost is printed and every run is in the JSON (`runs`).
 
 `--neighbor`: a CPU-bound process (a pure-Python counting loop) runs beside both ends for the whole
 measurement, as on a loaded machine, and its rate is printed: run it with and without `--spin-us 0` to see
@@ -54,6 +57,12 @@ def register(subparsers: Any) -> None:
         help="TransportConfig.spin_us of both ends (default: its default)",
     )
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="whole measurements, each with a fresh receiver process; the table shows their medians",
+    )
+    parser.add_argument(
         "--neighbor",
         action="store_true",
         help="run a CPU-bound process beside both ends and print its rate (a loaded machine)",
@@ -65,6 +74,39 @@ def register(subparsers: Any) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     backends = [b for b in args.backends.split(",") if b]
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    neighbor = None
+    try:
+        neighbor = _start_neighbor() if args.neighbor else None
+        runs = [_measure_once(args, sizes, backends) for _ in range(args.repeats)]
+    finally:
+        rate = _stop_neighbor(neighbor) if neighbor is not None else None
+    results = median_rows(runs, backends)
+    _print_table(results, backends)
+    fixed_runs = {b: [fixed_cost_us(run, b) for run in runs] for b in backends}
+    if args.repeats > 1:
+        for backend, values in fixed_runs.items():
+            known = sorted(v for v in values if v is not None)
+            if known:
+                each = " / ".join(f"{v:.1f}" for v in known)
+                print(f"fixed cost per write call, {backend}, each run: {each} us")
+    if rate is not None:
+        print(f"neighbor (a CPU-bound process beside both ends): {rate / 1e6:.1f} M iterations/s")
+    if args.json:
+        fixed = {b: fixed_cost_us(results, b) for b in backends}
+        doc: dict[str, Any] = {"unit": "GB/s (1e9 bytes/s)", "results": results, "fixed_cost_us": fixed}
+        if args.repeats > 1:
+            doc["runs"], doc["fixed_cost_us_runs"] = runs, fixed_runs
+        if rate is not None:
+            doc["neighbor_iterations_per_s"] = rate
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    return 0
+
+
+def _measure_once(args: argparse.Namespace, sizes: list[int], backends: list[str]) -> list[dict[str, Any]]:
+    """One whole measurement against a fresh receiver process."""
     region_bytes = max(sizes) * max(_SLOTS, args.blocks_per_write)
     child = subprocess.Popen(
         [sys.executable, "-m", "loadgen.bench.transport", "--serve", str(region_bytes), str(args.spin_us)],
@@ -72,10 +114,8 @@ def run_bench(args: argparse.Namespace) -> int:
         stdout=subprocess.PIPE,
         text=True,
     )
-    neighbor = None
     try:
-        neighbor = _start_neighbor() if args.neighbor else None
-        results = asyncio.run(
+        return asyncio.run(
             _measure_all(
                 child,
                 region_bytes,
@@ -88,21 +128,20 @@ def run_bench(args: argparse.Namespace) -> int:
             )
         )
     finally:
-        rate = _stop_neighbor(neighbor) if neighbor is not None else None
         if child.stdin is not None:
             child.stdin.close()
         child.wait(timeout=30)
-    _print_table(results, backends)
-    if rate is not None:
-        print(f"neighbor (a CPU-bound process beside both ends): {rate / 1e6:.1f} M iterations/s")
-    if args.json:
-        fixed = {b: fixed_cost_us(results, b) for b in backends}
-        doc: dict[str, Any] = {"unit": "GB/s (1e9 bytes/s)", "results": results, "fixed_cost_us": fixed}
-        if rate is not None:
-            doc["neighbor_iterations_per_s"] = rate
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-    return 0
+
+
+def median_rows(runs: list[list[dict[str, Any]]], backends: list[str]) -> list[dict[str, Any]]:
+    """Per size, the median GB/s of each column over the runs (one run: itself)."""
+    out = []
+    for rows in zip(*runs, strict=True):
+        row = dict(rows[0])
+        for column in [*backends, "socket"]:
+            row[column] = float(np.median([r[column] for r in rows]))
+        out.append(row)
+    return out
 
 
 def _start_neighbor() -> subprocess.Popen[str]:

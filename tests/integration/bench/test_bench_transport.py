@@ -36,13 +36,16 @@ def test_bench_prints_a_table_and_writes_json(tmp_path: Path) -> None:
         assert all(row[k] > 0 for k in ("shm", "tcp", "socket"))
 
 
-def test_a_neighbor_runs_beside_both_ends_and_its_rate_is_reported(tmp_path: Path) -> None:
+def test_a_neighbor_runs_beside_both_ends_and_repeats_keep_every_run(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "services.cli", "bench", "transport", "--sizes", "64K", "--total-mib", "2",
-           "--window", "1", "--backends", "shm", "--neighbor", "--json", str(out)]  # fmt: skip
+    cmd = [sys.executable, "-m", "services.cli", "bench", "transport", "--sizes", "16K,64K",
+           "--total-mib", "2", "--window", "1", "--backends", "shm", "--neighbor", "--repeats", "2",
+           "--json", str(out)]  # fmt: skip
     result = subprocess.run(
         cmd, capture_output=True, text=True, timeout=100, check=True, cwd=Path(__file__).resolve().parents[3]
     )
     assert "neighbor (a CPU-bound process beside both ends)" in result.stdout
     doc = json.loads(out.read_text())
     assert doc["neighbor_iterations_per_s"] > 1e5 and doc["results"][0]["shm"] > 0
+    assert len(doc["runs"]) == 2 and len(doc["fixed_cost_us_runs"]["shm"]) == 2  # --repeats: each run kept
+    assert "fixed cost per write call, shm, each run:" in result.stdout
