@@ -149,7 +149,9 @@ def _start_neighbor() -> subprocess.Popen[str]:
         [sys.executable, "-m", "loadgen.bench.transport", "--neighbor"], stdout=subprocess.PIPE, text=True
     )
     assert neighbor.stdout is not None
-    if json.loads(neighbor.stdout.readline()) != "counting":
+    if neighbor.stdout.readline().strip() != json.dumps("counting"):
+        neighbor.kill()
+        neighbor.wait(timeout=30)
         raise RuntimeError("bench neighbor did not start")
     return neighbor
 
