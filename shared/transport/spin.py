@@ -11,14 +11,10 @@ preference). So a `Spinner`:
 - backs off when polling does not pay: after k misses in a row (nothing within the budget, or this
   process descheduled past it between two tries) it skips the next 2**(k-1) - 1 chances (at most
   `_MAX_SKIPS`: a lone miss, e.g. a large tcp payload, costs nothing); one hit resets it. On a loaded
-  machine it thus polls for about one op in 64;
-- backs off as well while polls miss often, not in a row: it keeps a moving average of misses per poll
-  (weight 1/16) and, while that is above `_MISS_RATE_LIMIT` (after its first `_RATE_MIN_POLLS` polls),
-  polls one chance in `_PROBE_EVERY`. With a CPU-bound neighbour on two cores a sender's polls for its
-  ack hit ~3 times in 4, each in ~10 us, yet the writes took 10-25% longer than without polling: a
-  process that spins stays runnable and loses the scheduler's preference for one that slept, so each
-  miss (descheduled mid-poll) costs more than the hits save. On a quiet machine ~1 poll in 500 misses,
-  and nothing changes.
+  machine it thus polls for about one op in 64. (A back-off on the share of polls that miss, not only
+  misses in a row, was tried: it saved ~4% of a write's time beside a CPU-bound neighbour, but with 2-3
+  senders streaming to one receiver on two cores, where polls miss often yet still pay, it cut the
+  receiver's throughput from 0.49 to 0.29 GB/s; README "Hot paths".)
 """
 
 from __future__ import annotations
@@ -28,19 +24,14 @@ from collections.abc import Callable
 
 _MAX_MISS_SHIFT = 7
 _MAX_SKIPS = (1 << (_MAX_MISS_SHIFT - 1)) - 1
-_MISS_RATE_WEIGHT = 1 / 16
-_MISS_RATE_LIMIT = 0.1
-_PROBE_EVERY = 16
-_RATE_MIN_POLLS = 32  # a connection's first polls (its handshake, the stream's start) do not count yet
 
 
 class Spinner:
-    __slots__ = ("_miss_rate", "_misses", "_skips_left", "budget_s", "num_hits", "num_misses")
+    __slots__ = ("_misses", "_skips_left", "budget_s", "num_hits", "num_misses")
 
     def __init__(self, budget_s: float) -> None:
         self.budget_s = budget_s
         self._misses = 0
-        self._miss_rate = 0.0  # moving average of misses per poll
         self._skips_left = 0
         self.num_hits = 0  # polls whose wait ended by a try started within the budget
         self.num_misses = 0  # polls that ran out of budget
@@ -68,20 +59,11 @@ class Spinner:
             if try_once():  # a try that started within the budget: a hit
                 self._misses = 0
                 self.num_hits += 1
-                self._miss_rate -= self._miss_rate * _MISS_RATE_WEIGHT
-                if self._misses_often():
-                    self._skips_left = _PROBE_EVERY - 1
                 return True
             now = time.perf_counter()
             if now > end:  # out of budget, or descheduled past it between two tries
                 break
         self.num_misses += 1
         self._misses = min(self._misses + 1, _MAX_MISS_SHIFT)
-        self._miss_rate += (1.0 - self._miss_rate) * _MISS_RATE_WEIGHT
         self._skips_left = min((1 << (self._misses - 1)) - 1, _MAX_SKIPS)
-        if self._misses_often():
-            self._skips_left = max(self._skips_left, _PROBE_EVERY - 1)
         return False
-
-    def _misses_often(self) -> bool:
-        return self._miss_rate > _MISS_RATE_LIMIT and self.num_hits + self.num_misses >= _RATE_MIN_POLLS

@@ -48,37 +48,6 @@ def test_spinner_backs_off_after_misses_and_a_hit_resets_it() -> None:
     assert spinner.num_hits == 3  # no skips after a hit
 
 
-def test_spinner_that_misses_often_polls_one_chance_in_sixteen_until_hits_bring_the_rate_down() -> None:
-    spinner = Spinner(1e-6)
-    _, hit = _counting(True)
-    _, miss = _counting(False)
-    for _ in range(40):  # a quiet machine: every poll hits; one lone miss changes nothing
-        assert spinner.poll(hit)  # type: ignore[arg-type]
-    assert not spinner.poll(miss)  # type: ignore[arg-type]
-    assert spinner.poll(hit)  # type: ignore[arg-type]
-    polled = []
-    for k in range(48):  # contention: one poll in three misses (never two in a row)
-        before = spinner.num_hits + spinner.num_misses
-        spinner.poll(miss if k % 3 == 2 else hit)  # type: ignore[arg-type]
-        polled.append(spinner.num_hits + spinner.num_misses > before)
-    assert polled[:3] == [True] * 3  # until the second miss takes the rate past 10%
-    assert sum(polled[-32:]) <= 4  # then about one chance in 16 (a probe that hits may allow one more)
-    chances, in_a_row = 0, 0
-    while in_a_row < 16:  # the machine quiets down: every probe hits and brings the rate down by 1/16
-        chances += 1
-        in_a_row = in_a_row + 1 if spinner.poll(hit) else 0  # type: ignore[arg-type]
-    assert 5 * 16 <= chances <= 10 * 16  # ~7 probes of 16 chances from a rate of 0.15 to under 0.1
-
-
-def test_a_young_spinner_is_judged_on_misses_in_a_row_only() -> None:
-    spinner = Spinner(1e-6)  # a connection's handshake: two polls that find nothing, then a stream
-    _, hit = _counting(True)
-    _, miss = _counting(False)
-    assert not spinner.poll(miss) and not spinner.poll(miss)  # type: ignore[arg-type]
-    assert not spinner.poll(hit)  # type: ignore[arg-type]  # the one chance two misses in a row skip
-    assert all(spinner.poll(hit) for _ in range(10))  # type: ignore[arg-type]
-
-
 def test_a_chance_skipped_is_used_up() -> None:
     spinner = Spinner(1e-6)
     _, miss = _counting(False)
