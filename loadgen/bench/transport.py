@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from loadgen.bench import transport_senders
 from shared.transport.config import TransportConfig
 from shared.transport.receiver import KvReceiver
 from shared.transport.sender import KvSender, Peer
@@ -63,6 +64,13 @@ def register(subparsers: Any) -> None:
         help="whole measurements, each with a fresh receiver process; the table shows their medians",
     )
     parser.add_argument(
+        "--senders",
+        type=int,
+        default=1,
+        help="sender processes streaming into one receiver at once, one write in flight each "
+        "(transport_senders.py; --window and --blocks-per-write then do not apply)",
+    )
+    parser.add_argument(
         "--neighbor",
         action="store_true",
         help="run a CPU-bound process beside both ends and print its rate (a loaded machine)",
@@ -74,8 +82,8 @@ def register(subparsers: Any) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     backends = [b for b in args.backends.split(",") if b]
-    if args.repeats < 1:
-        raise SystemExit("--repeats must be at least 1")
+    if args.repeats < 1 or args.senders < 1:
+        raise SystemExit("--repeats and --senders must be at least 1")
     neighbor = None
     try:
         neighbor = _start_neighbor() if args.neighbor else None
@@ -83,30 +91,54 @@ def run_bench(args: argparse.Namespace) -> int:
     finally:
         rate = _stop_neighbor(neighbor) if neighbor is not None else None
     results = median_rows(runs, backends)
-    _print_table(results, backends)
-    fixed_runs = {b: [fixed_cost_us(run, b) for run in runs] for b in backends}
+    doc: dict[str, Any] = {"unit": "GB/s (1e9 bytes/s)", "results": results}
+    if args.senders > 1:
+        _print_senders_table(results, backends)
+        doc["senders"] = args.senders
+    else:
+        _print_table(results, backends)
+        doc["fixed_cost_us"] = {b: fixed_cost_us(results, b) for b in backends}
     if args.repeats > 1:
-        for backend, values in fixed_runs.items():
-            known = sorted(v for v in values if v is not None)
-            if known:
-                each = " / ".join(f"{v:.1f}" for v in known)
-                print(f"fixed cost per write call, {backend}, each run: {each} us")
+        doc["runs"] = runs
+        if args.senders == 1:
+            doc["fixed_cost_us_runs"] = _print_fixed_costs(runs, backends)
     if rate is not None:
         print(f"neighbor (a CPU-bound process beside both ends): {rate / 1e6:.1f} M iterations/s")
+        doc["neighbor_iterations_per_s"] = rate
     if args.json:
-        fixed = {b: fixed_cost_us(results, b) for b in backends}
-        doc: dict[str, Any] = {"unit": "GB/s (1e9 bytes/s)", "results": results, "fixed_cost_us": fixed}
-        if args.repeats > 1:
-            doc["runs"], doc["fixed_cost_us_runs"] = runs, fixed_runs
-        if rate is not None:
-            doc["neighbor_iterations_per_s"] = rate
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
     return 0
 
 
+def _print_fixed_costs(
+    runs: list[list[dict[str, Any]]], backends: list[str]
+) -> dict[str, list[float | None]]:
+    fixed_runs = {b: [fixed_cost_us(run, b) for run in runs] for b in backends}
+    for backend, values in fixed_runs.items():
+        known = sorted(v for v in values if v is not None)
+        if known:
+            each = " / ".join(f"{v:.1f}" for v in known)
+            print(f"fixed cost per write call, {backend}, each run: {each} us")
+    return fixed_runs
+
+
+def _print_senders_table(results: list[dict[str, Any]], backends: list[str]) -> None:
+    senders = results[0]["senders"] if results else 0
+    print(f"{senders} sender processes into one receiver, one write in flight each; aggregate GB/s (1e9 B/s)")
+    heads = " ".join(f"{b + ' GB/s':>10} {'us/write':>9}" for b in backends)
+    print(f"{'size':>9} {'msgs/sender':>11} {heads}")
+    for row in results:
+        size = row["size_bytes"]
+        label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+        cells = " ".join(f"{row[b]:>10.2f} {row[b + '_us_per_write']:>9.1f}" for b in backends)
+        print(f"{label:>9} {row['messages']:>11} {cells}")
+
+
 def _measure_once(args: argparse.Namespace, sizes: list[int], backends: list[str]) -> list[dict[str, Any]]:
     """One whole measurement against a fresh receiver process."""
+    if args.senders > 1:
+        return transport_senders.measure(sizes, backends, args.senders, args.total_mib << 20, args.spin_us)
     region_bytes = max(sizes) * max(_SLOTS, args.blocks_per_write)
     child = subprocess.Popen(
         [sys.executable, "-m", "loadgen.bench.transport", "--serve", str(region_bytes), str(args.spin_us)],
@@ -134,12 +166,14 @@ def _measure_once(args: argparse.Namespace, sizes: list[int], backends: list[str
 
 
 def median_rows(runs: list[list[dict[str, Any]]], backends: list[str]) -> list[dict[str, Any]]:
-    """Per size, the median GB/s of each column over the runs (one run: itself)."""
+    """Per size, the median of each measured column over the runs (one run: itself)."""
+    columns = [*backends, "socket", *(f"{b}_us_per_write" for b in backends)]
     out = []
     for rows in zip(*runs, strict=True):
         row = dict(rows[0])
-        for column in [*backends, "socket"]:
-            row[column] = float(np.median([r[column] for r in rows]))
+        for column in columns:
+            if column in row:
+                row[column] = float(np.median([r[column] for r in rows]))
         out.append(row)
     return out
 

@@ -49,3 +49,19 @@ def test_a_neighbor_runs_beside_both_ends_and_repeats_keep_every_run(tmp_path: P
     assert doc["neighbor_iterations_per_s"] > 1e5 and doc["results"][0]["shm"] > 0
     assert len(doc["runs"]) == 2 and len(doc["fixed_cost_us_runs"]["shm"]) == 2  # --repeats: each run kept
     assert "fixed cost per write call, shm, each run:" in result.stdout
+
+
+def test_several_senders_stream_into_one_receiver(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "services.cli", "bench", "transport", "--sizes", "16K,64K",
+           "--total-mib", "2", "--senders", "2", "--json", str(out)]  # fmt: skip
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=100, check=True, cwd=Path(__file__).resolve().parents[3]
+    )
+    assert "2 sender processes into one receiver" in result.stdout
+    assert "lost" not in result.stderr  # the senders leave before the receiver closes
+    doc = json.loads(out.read_text())
+    assert doc["senders"] == 2 and [r["size_bytes"] for r in doc["results"]] == [16 << 10, 64 << 10]
+    for row in doc["results"]:
+        assert row["messages"] == (2 << 20) // row["size_bytes"] // 2  # per sender
+        assert all(row[b] > 0 and row[f"{b}_us_per_write"] > 0 for b in ("shm", "tcp"))
