@@ -92,15 +92,18 @@ def run_bench(args: argparse.Namespace) -> int:
         rate = _stop_neighbor(neighbor) if neighbor is not None else None
     results = median_rows(runs, backends)
     doc: dict[str, Any] = {"unit": "GB/s (1e9 bytes/s)", "results": results}
+    # the intercept of time per write against bytes is a per-write cost only when each write is awaited
+    latency_bound = args.senders == 1 and args.window == 1
     if args.senders > 1:
         _print_senders_table(results, backends)
         doc["senders"] = args.senders
     else:
-        _print_table(results, backends)
+        _print_table(results, backends, with_fixed_cost=latency_bound)
+    if latency_bound:
         doc["fixed_cost_us"] = {b: fixed_cost_us(results, b) for b in backends}
     if args.repeats > 1:
         doc["runs"] = runs
-        if args.senders == 1:
+        if latency_bound:
             doc["fixed_cost_us_runs"] = _print_fixed_costs(runs, backends)
     if rate is not None:
         print(f"neighbor (a CPU-bound process beside both ends): {rate / 1e6:.1f} M iterations/s")
@@ -313,7 +316,7 @@ def fixed_cost_us(results: list[dict[str, Any]], backend: str) -> float | None:
     return float(intercept * 1e6)
 
 
-def _print_table(results: list[dict[str, Any]], backends: list[str]) -> None:
+def _print_table(results: list[dict[str, Any]], backends: list[str], *, with_fixed_cost: bool) -> None:
     columns = [*backends, "socket"]
     blocks = results[0]["blocks_per_write"] if results else 1
     print(f"messages of `size` bytes, {blocks} per write call; GB/s = 1e9 bytes/s")
@@ -324,7 +327,7 @@ def _print_table(results: list[dict[str, Any]], backends: list[str]) -> None:
         cells = " ".join(f"{row[c]:>12.2f}" for c in columns)
         ratio = f"{row['tcp'] / row['socket']:>10.2f}" if "tcp" in row else ""
         print(f"{label:>9} {row['messages']:>6} {cells}   {ratio}")
-    for backend in backends:
+    for backend in backends if with_fixed_cost else []:
         fixed = fixed_cost_us(results, backend)
         if fixed is not None:
             print(

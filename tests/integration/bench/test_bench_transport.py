@@ -29,7 +29,9 @@ def test_bench_prints_a_table_and_writes_json(tmp_path: Path) -> None:
         cmd, capture_output=True, text=True, timeout=100, check=True, cwd=Path(__file__).resolve().parents[3]
     )
     assert "tcp/socket" in result.stdout and "64 KiB" in result.stdout and "1 MiB" in result.stdout
-    rows = json.loads(out.read_text())["results"]
+    doc = json.loads(out.read_text())
+    assert "fixed cost" not in result.stdout and "fixed_cost_us" not in doc  # 4 in flight: no per-write cost
+    rows = doc["results"]
     assert [r["size_bytes"] for r in rows] == [64 << 10, 1 << 20]
     for row in rows:
         assert row["blocks_per_write"] == 2 and row["messages"] % 2 == 0
@@ -45,6 +47,7 @@ def test_a_neighbor_runs_beside_both_ends_and_repeats_keep_every_run(tmp_path: P
         cmd, capture_output=True, text=True, timeout=100, check=True, cwd=Path(__file__).resolve().parents[3]
     )
     assert "neighbor (a CPU-bound process beside both ends)" in result.stdout
+    assert "fixed cost per write call, shm:" in result.stdout  # one write in flight: the fixed cost
     doc = json.loads(out.read_text())
     assert doc["neighbor_iterations_per_s"] > 1e5 and doc["results"][0]["shm"] > 0
     assert len(doc["runs"]) == 2 and len(doc["fixed_cost_us_runs"]["shm"]) == 2  # --repeats: each run kept
