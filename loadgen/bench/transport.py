@@ -159,7 +159,7 @@ def _measure_once(args: argparse.Namespace, sizes: list[int], backends: list[str
                 args.total_mib << 20,
                 args.window,
                 args.blocks_per_write,
-                _config(args.spin_us),
+                transport_senders.bench_config(args.spin_us, ["shm", "tcp"]),
             )
         )
     finally:
@@ -338,15 +338,8 @@ def _print_table(results: list[dict[str, Any]], backends: list[str], *, with_fix
 # ---------------------------------------------------------------------------------- receiver process
 
 
-def _config(spin_us: float | None) -> TransportConfig:
-    config = TransportConfig(backends=["shm", "tcp"])
-    if spin_us is not None:
-        config.spin_us = spin_us
-    return config
-
-
 async def _serve(region_bytes: int, spin_us: float | None) -> None:
-    receiver = KvReceiver(_config(spin_us), receiver_id="bench-rx")
+    receiver = KvReceiver(transport_senders.bench_config(spin_us, ["shm", "tcp"]), receiver_id="bench-rx")
     await receiver.start()
     receiver.register_region("buf", region_bytes)
     baseline = socket.create_server(("127.0.0.1", 0))

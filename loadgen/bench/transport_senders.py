@@ -27,7 +27,8 @@ from shared.transport.sender import KvSender
 _SLOTS = 8  # per sender
 
 
-def _config(spin_us: float | None, backends: list[str]) -> TransportConfig:
+def bench_config(spin_us: float | None, backends: list[str]) -> TransportConfig:
+    """Both benches' transport config: the given backends, `spin_us` when set (else its default)."""
     config = TransportConfig(backends=backends)
     if spin_us is not None:
         config.spin_us = spin_us
@@ -98,7 +99,7 @@ def _one(size: int, count: int, senders: int, backend: str, spin_us: float | Non
 
 
 async def _receive(senders: int, size: int, count: int, spin_us: float | None) -> None:
-    rx = KvReceiver(_config(spin_us, ["shm", "tcp"]), receiver_id="bench-rx")
+    rx = KvReceiver(bench_config(spin_us, ["shm", "tcp"]), receiver_id="bench-rx")
     await rx.start()
     rx.register_region("buf", size * _SLOTS * senders)
     print(json.dumps(rx.endpoint()), flush=True)
@@ -116,7 +117,7 @@ async def _receive(senders: int, size: int, count: int, spin_us: float | None) -
 async def _send(
     endpoint: dict[str, Any], j: int, backend: str, size: int, count: int, spin: float | None
 ) -> None:
-    tx = KvSender(_config(spin, [backend]), sender_id=f"bench-tx{j}")
+    tx = KvSender(bench_config(spin, [backend]), sender_id=f"bench-tx{j}")
     try:
         peer = await tx.connect(endpoint, timeout_s=10, backend=backend)
         data = np.random.default_rng(j).integers(0, 256, size, dtype=np.uint8)
