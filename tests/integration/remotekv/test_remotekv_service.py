@@ -210,7 +210,13 @@ async def _metrics(proc: ServiceProcess, eng: Engine) -> str:
 
     registry: Registry[ServiceInfo] = Registry(eng.bus, ttl_s=5.0)
     await registry.open()
-    url = next(s.http_url for s in await registry.list() if s.service_id == STORE)
+    deadline = asyncio.get_running_loop().time() + 10.0
+    # the entry is fresh within one heartbeat (1 s); a late heartbeat on a loaded host or a step of the
+    # wall clock can leave it briefly past the TTL, so wait for it rather than read it once (seen once in CI)
+    while not (urls := [s.http_url for s in await registry.list() if s.service_id == STORE]):
+        assert asyncio.get_running_loop().time() < deadline, "the store left the registry"
+        await asyncio.sleep(0.05)
+    url = urls[0]
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{url}/health") as resp:
             health = await resp.json()
