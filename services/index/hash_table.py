@@ -1,12 +1,18 @@
-"""A compact uint64 -> uint64 hash map in numpy arrays (open addressing, linear probing, tombstones).
+"""A compact uint64 -> uint64 hash map in numpy arrays (open addressing in buckets, tombstones).
 
 17 bytes per slot (key, value, state) at a load factor of at most 1/2: about 35 bytes per entry, against
-~100 for a Python dict of ints. Every operation takes a batch of keys and runs as a few numpy passes per
-probe step, so a 512-hash lookup costs tens of microseconds and no Python loop runs per key.
-Keys are block hashes (already uniform); a Fibonacci multiply picks the home slot from the high bits.
+~100 for a Python dict of ints. Every operation takes a batch of keys and runs as a few numpy passes, so a
+512-hash lookup costs a few microseconds and no Python loop runs per key. Keys are block hashes (already
+uniform); a Fibonacci multiply picks each key's own slot from the high bits, and its home bucket is the
+`_BUCKET` slots (one 64-byte line of keys) that slot lies in.
 
-Invariant (what lets `prefix_values` trust one row compare): a slot without a live entry holds a key that is
-not homed in its bucket (`_vacant_key`: 0, or 1 in bucket 0, the only bucket key 0 is homed in), so a key
+Placement: a key goes into its own slot if that is free; else into any free slot of its home bucket; else
+into the first later bucket (wrapping) with a free slot. So about 4 keys in 5 sit in their own slot at
+load 1/2, a lookup compares one key per key and resolves the rest by rows, and a bucket that ever
+overflowed holds no empty slot (a removal leaves a tombstone), which is where a search stops.
+
+Invariant (what lets a lookup trust one compare): a slot without a live entry holds a key that is not
+homed in its bucket (`_vacant_key`: 0, or 1 in bucket 0, the only bucket key 0 is homed in), so a key
 occurs at most once in its home bucket's row, and only as a live entry.
 """
 
@@ -20,6 +26,8 @@ _MAX_LOAD = 0.5
 _MIN_CAPACITY = 1024
 _BUCKET_BITS = 3
 _BUCKET = 1 << _BUCKET_BITS  # slots per home bucket: one 64-byte line of keys
+_WINDOW = 4  # bucket rows a search reads per round (few keys overflow further than the next bucket)
+_WINDOW_ROWS = np.arange(_WINDOW, dtype=np.int64)
 _LINE = 64  # bytes: arrays start on a cache line, so a bucket's keys are one line, not two
 
 
@@ -44,8 +52,8 @@ class U64Table:
 
     __slots__ = (
         "_bits",
-        "_bucket_shift",
         "_key_rows",
+        "_slot_shift",
         "_state_rows",
         "keys",
         "num_live",
@@ -63,7 +71,7 @@ class U64Table:
         self.keys[:_BUCKET] = 1  # vacant slots of bucket 0 (`_vacant_key`)
         self.values = _zeros_aligned(capacity, np.uint64)
         self._key_rows = self.keys.reshape(-1, _BUCKET)  # a view: bucket b is row b
-        self._bucket_shift = np.uint64(64 - self._bits + _BUCKET_BITS)
+        self._slot_shift = np.uint64(64 - self._bits)
         self.states = _zeros_aligned(capacity, np.uint8)
         self._state_rows = self.states.reshape(-1, _BUCKET)
         self.num_live = 0
@@ -81,73 +89,100 @@ class U64Table:
         return self.num_live
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
-        """First slot of each key's probe: the start of its bucket of `_BUCKET` slots (a 64-byte line of
-        keys), so `prefix_values` reads a key's likeliest slots as one row of `_key_rows`."""
-        return self._home_bucket(keys).astype(np.int64) << _BUCKET_BITS
+        """Each key's own slot (a new int64 array): the top bits of the key times the golden ratio."""
+        slots = keys * _GOLDEN
+        slots >>= self._slot_shift
+        return slots.view(np.int64)
 
     def _home_bucket(self, keys: np.ndarray) -> np.ndarray:
-        return (keys * _GOLDEN) >> self._bucket_shift
+        return self._home(keys) >> _BUCKET_BITS
 
     # -------------------------------------------------------------------------------------- queries
 
     def find(self, keys: np.ndarray, *, prefix_only: bool = False) -> np.ndarray:
         """Slot of each key, -1 where absent.
 
-        `prefix_only`: only the keys before the first absent one matter (a prefix match); probing stops
+        `prefix_only`: only the keys before the first absent one matter (a prefix match); the search stops
         for every later key as soon as an earlier key is known to be absent, and those report -1.
         """
-        result = np.full(keys.size, -1, dtype=np.int64)
         if keys.size == 0 or self.num_live == 0:
-            return result
-        mask = self.capacity - 1
-        idx = np.arange(keys.size)
-        pos = self._home(keys)
-        while idx.size:
-            states = self.states[pos]
-            hit = (states == _FULL) & (self.keys[pos] == keys[idx])
-            result[idx[hit]] = pos[hit]
-            absent = states == _EMPTY
-            go_on = ~hit & ~absent
-            if prefix_only and absent.any():
-                go_on &= idx < idx[absent].min()
-            idx, pos = idx[go_on], (pos[go_on] + 1) & mask
+            return np.full(keys.size, -1, dtype=np.int64)
+        slots = self._home(keys)
+        at_home = self.keys.take(slots, mode="clip") == keys
+        if np.count_nonzero(at_home) == keys.size:
+            return slots
+        result = np.where(at_home, slots, -1)
+        away = (~at_home).nonzero()[0]
+        self._search(keys, away, slots[away] >> _BUCKET_BITS, result, prefix_only=prefix_only)
         return result
+
+    def _search(
+        self, keys: np.ndarray, idx: np.ndarray, buckets: np.ndarray, result: np.ndarray, *, prefix_only: bool
+    ) -> None:
+        """Set result[idx] to the slots of keys[idx] (-1: absent), searching from their home buckets on,
+        `_WINDOW` bucket rows per round: a key is absent once a row it has passed has an empty slot. A
+        key is stored once, so a live slot holding it anywhere in the window is its slot."""
+        last = self.capacity // _BUCKET - 1
+        width = _WINDOW * _BUCKET
+        while idx.size:
+            rows = (buckets[:, None] + _WINDOW_ROWS) & last
+            states = self._state_rows.take(rows, axis=0, mode="clip").reshape(-1)
+            found = self._key_rows.take(rows, axis=0, mode="clip").reshape(idx.size, -1) == keys[idx][:, None]
+            # past the home bucket a vacant slot may hold the key searched for (0 or 1): check states
+            found = found.reshape(-1) & (states == _FULL)
+            # flat positions instead of per-row reductions (a reduction over a short axis is slow in numpy)
+            at = found.nonzero()[0]  # one per key found
+            hit = np.zeros(idx.size, dtype=bool)
+            hit[at // width] = True
+            result[idx[hit]] = (rows.reshape(-1)[at >> _BUCKET_BITS] << _BUCKET_BITS) + (at & (_BUCKET - 1))
+            empty = np.zeros(idx.size, dtype=bool)
+            empty[(states == _EMPTY).nonzero()[0] // width] = True
+            go_on = ~hit & ~empty
+            if prefix_only and (absent := ~hit & empty).any():
+                go_on &= idx < idx[absent].min()
+            result[idx[~hit & ~go_on]] = -1
+            idx, buckets = idx[go_on], (buckets[go_on] + _WINDOW) & last
 
     def prefix_values(self, keys: np.ndarray) -> np.ndarray:
         """Values of the leading present keys of a chain (stops at the first absent one).
 
-        The hot path of a prefix match: nine numpy calls for the whole chain and no Python per key. Each
-        key's home bucket is read as one row (`take` of a contiguous 2D view, one cache line) and compared
-        with the key; by the module's invariant a key matches at most once in that row and only where it
-        is live, so as many matches as keys means every key is present in its home bucket (the common
-        case at load <= 1/2). Otherwise `_resolve_prefix` finds the first key outside its bucket.
-        Both gathers use `mode="clip"`: a home bucket and a slot in it are in range by construction, and
-        the default bounds check ("raise") costs ~0.3 us per `take` of 512.
+        The hot path of a prefix match: about fifteen numpy calls for the whole chain and no Python per
+        key. By the module's invariant a key matches its own slot only where it lives, so as many matches
+        as keys means every key is found. Otherwise `_prefix_slots` finds the others (~1 in 5), first in
+        their home buckets' rows (a `take` of a contiguous 2D view, one cache line each). Gathers use
+        `mode="clip"`: every index is in range by construction, and the default bounds check ("raise")
+        costs ~0.3 us per `take` of 512.
         """
         if keys.size == 0 or self.num_live == 0:
             return np.zeros(0, dtype=np.uint64)
-        buckets = keys * _GOLDEN  # the home buckets, in place from here on (no temporaries)
-        buckets >>= self._bucket_shift
-        slots = buckets.view(np.int64)
-        match = self._key_rows.take(slots, axis=0, mode="clip") == keys[:, None]
-        if np.count_nonzero(match) != keys.size:
-            return self._resolve_prefix(keys, slots, match)
-        slots <<= _BUCKET_BITS
-        slots += match.argmax(axis=1)
+        slots = self._home(keys)
+        at_home = self.keys.take(slots, mode="clip") == keys
+        if np.count_nonzero(at_home) != keys.size:
+            slots = self._prefix_slots(keys, slots, at_home)
         return self.values.take(slots, mode="clip")
 
-    def _resolve_prefix(self, keys: np.ndarray, buckets: np.ndarray, match: np.ndarray) -> np.ndarray:
-        """`prefix_values` when some key is not in its home bucket: absent, or pushed into a later one."""
-        in_bucket = match.any(axis=1)
-        first = int(np.argmin(in_bucket))  # the first key not in its home bucket
-        slots = (buckets[:first] << _BUCKET_BITS) + match[:first].argmax(axis=1)
-        values = self.values.take(slots)
-        if (self._state_rows[buckets[first]] == _EMPTY).any():
-            return values  # probing stops at an empty slot: this key is absent
-        rest = self.find(keys[first:], prefix_only=True)
-        absent = rest < 0
-        end = int(np.argmax(absent)) if absent.any() else rest.size
-        return np.concatenate((values, self.values[rest[:end]]))
+    def _prefix_slots(self, keys: np.ndarray, slots: np.ndarray, at_home: np.ndarray) -> np.ndarray:
+        """Slots of a chain's leading present keys when some keys are not in their own slot."""
+        away = (~at_home).nonzero()[0]
+        buckets = slots[away] >> _BUCKET_BITS
+        rows = self._key_rows.take(buckets, axis=0, mode="clip") == keys[away][:, None]
+        offsets = rows.argmax(axis=1)  # each key's slot in its home bucket's row (0 where it is not there)
+        buckets <<= _BUCKET_BITS
+        buckets += offsets
+        slots[away] = buckets
+        if np.count_nonzero(rows) == away.size:  # the usual case: each is elsewhere in its home bucket
+            return slots
+        beyond = rows.view(np.uint64).reshape(-1) == 0  # 8 bools as one word: not in the home bucket
+        idx, buckets = away[beyond], buckets[beyond] >> _BUCKET_BITS
+        # such a key is absent if its home bucket has an empty slot: the prefix ends at the first one
+        empty = self._state_rows.take(buckets, axis=0, mode="clip") == _EMPTY
+        if (gap := empty.view(np.uint64).reshape(-1) != 0).any():
+            first = int(gap.argmax())
+            slots = slots[: idx[first]]
+            idx, buckets = idx[:first], buckets[:first]
+        self._search(keys, idx, buckets, slots, prefix_only=True)  # overflowed into later buckets
+        absent = slots < 0
+        return slots[: int(np.argmax(absent))] if absent.any() else slots
 
     def get(self, keys: np.ndarray, *, prefix_only: bool = False) -> np.ndarray:
         """Value of each key, 0 where absent (see `find` for `prefix_only`)."""
@@ -197,24 +232,40 @@ class U64Table:
         return int(dead.size)
 
     def insert_new(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """Insert keys known to be absent and unique (values non-zero), growing the table first if needed."""
+        """Insert keys known to be absent and unique (values non-zero), growing the table first if needed.
+
+        Own slots first (one winner per slot), then rounds over bucket rows: each key left takes the first
+        free slot of its bucket (one winner per slot; the others try that bucket again), and a key whose
+        bucket has no free slot moves on to the next."""
         if self.num_live + self.num_tombstones + keys.size > _MAX_LOAD * self.capacity:
             self._rehash(self.num_live + keys.size)
-        mask = self.capacity - 1
-        idx = np.arange(keys.size)
-        pos = self._home(keys)
+        slots = self._home(keys)
+        idx = np.flatnonzero(self.states[slots] != _FULL)
+        placed = self._fill(keys, values, idx, slots[idx])
+        idx = np.flatnonzero(~placed)
+        buckets = slots[idx] >> _BUCKET_BITS
+        last = self.capacity // _BUCKET - 1
         while idx.size:
-            free = self.states[pos] != _FULL
-            cand_pos, cand_idx = pos[free], idx[free]
-            slots, first = np.unique(cand_pos, return_index=True)  # one winner per free slot
-            winners = cand_idx[first]
-            self.num_tombstones -= int(np.count_nonzero(self.states[slots] == _TOMB))
-            self.keys[slots], self.values[slots], self.states[slots] = keys[winners], values[winners], _FULL
-            self.num_live += int(slots.size)
-            placed = np.zeros(keys.size, dtype=bool)
-            placed[winners] = True
+            free = self._state_rows[buckets] != _FULL
+            room = free.any(axis=1)
+            placed = self._fill(
+                keys, values, idx[room], (buckets[room] << _BUCKET_BITS) + free[room].argmax(axis=1)
+            )
+            buckets[~room] = (buckets[~room] + 1) & last
             left = ~placed[idx]
-            idx, pos = idx[left], (pos[left] + 1) & mask
+            idx, buckets = idx[left], buckets[left]
+
+    def _fill(self, keys: np.ndarray, values: np.ndarray, idx: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Store keys[idx] at `slots` (free ones), the first of several keys per slot winning; return a mask
+        over `keys` of the winners."""
+        slots, first = np.unique(slots, return_index=True)
+        winners = idx[first]
+        self.num_tombstones -= int(np.count_nonzero(self.states[slots] == _TOMB))
+        self.keys[slots], self.values[slots], self.states[slots] = keys[winners], values[winners], _FULL
+        self.num_live += int(slots.size)
+        placed = np.zeros(keys.size, dtype=bool)
+        placed[winners] = True
+        return placed
 
     def _rehash(self, num_entries: int) -> None:
         keys, values = self.items()

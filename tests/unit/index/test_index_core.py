@@ -236,3 +236,28 @@ def test_prefix_values_see_only_live_keys_in_a_bucket_of_tombstones_and_vacant_s
     assert index.match(others).num_hit_blocks == others.size
     index.apply(removed(others[100:101].tolist()))
     assert index.match(others).per_location == {"store": 100}
+
+
+def test_keys_overflowing_past_a_search_window_and_around_the_end_are_found_and_absent_keys_are_not() -> None:
+    """50 keys homed in the last bucket fill it and spill over the wrap into buckets 0..5, further than
+    one search round reads; removing some leaves tombstones in the run. Every lookup (`get`,
+    `prefix_values`, a re-insert) agrees with a dict, and keys 0 and 1, which vacant slots hold past
+    the home bucket, are not found there."""
+    rng = np.random.default_rng(9)
+    table = U64Table(capacity=1024)
+    last = table.capacity // 8 - 1
+    run = _homed_in(table, last, 50, rng)
+    table.or_values(run, 1)
+    assert len(table) == 50 and not (table.find(run) // 8 == last).all()  # some went past the end
+    assert (table.find(run) // 8).tolist().count(5) > 0  # six buckets past the home: a second round
+    table.clear_bits(run[::5], 1)  # tombstones inside the run
+    ref = {int(k): (0 if i % 5 == 0 else 1) for i, k in enumerate(run)}
+    assert table.get(run).tolist() == [ref[int(k)] for k in run]
+    kept = run[[i for i in range(run.size) if i % 5]]
+    assert table.prefix_values(kept).tolist() == [1] * kept.size
+    assert table.prefix_values(run[1:]).tolist() == [1] * 4  # run[5] was removed: the prefix ends
+    vacant = np.array([0, 1], dtype=np.uint64)  # bucket 0 is full of the run: key 0 searches further
+    assert table.get(vacant).tolist() == [0, 0] and table.prefix_values(vacant).size == 0
+    table.or_values(np.concatenate((vacant, run[::5])), 2)  # back in, into tombstones or later
+    assert table.get(np.concatenate((vacant, run[::5]))).tolist() == [2, 2] + [2] * 10
+    assert table.prefix_values(np.concatenate((run, vacant))).size == 52
