@@ -13,6 +13,11 @@ fixed cost is printed and every run is in the JSON (`runs`).
 measurement, as on a loaded machine, and its rate is printed: run it with and without `--spin-us 0` to see
 what polling costs a neighbour and what it buys the writes (the transport's polling must not slow a loaded
 2-core machine; README "Hot paths").
+
+`--cpus A,B`: the receiver process runs on CPU A only and the sender on B (with `--senders`: sender j on
+the (j + 1)-th id, wrapping). Unpinned, a 2-core host's scheduler often puts the two ends of a one-in-flight
+stream on one core, where each waits for the other's time slice: a run then moves several times slower, and
+which runs do is chance. `--cpus 0,1` measures two ends on two cores (two engines), `--cpus 0` one core.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
+import os
 import socket
 import subprocess
 import sys
@@ -29,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from loadgen.bench import neighbor as neighbor_process
 from loadgen.bench import transport_senders
 from shared.transport.config import TransportConfig
 from shared.transport.receiver import KvReceiver
@@ -75,6 +81,12 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="run a CPU-bound process beside both ends and print its rate (a loaded machine)",
     )
+    parser.add_argument(
+        "--cpus",
+        type=transport_senders.parse_cpus,
+        default=None,
+        help="pin the receiver to the first CPU id and the sender(s) to the next (e.g. 0,1)",
+    )
     parser.add_argument("--json", default="", help="also write the results to this file")
     parser.set_defaults(func=run_bench)
 
@@ -86,10 +98,10 @@ def run_bench(args: argparse.Namespace) -> int:
         raise SystemExit("--repeats and --senders must be at least 1")
     neighbor = None
     try:
-        neighbor = _start_neighbor() if args.neighbor else None
+        neighbor = neighbor_process.start() if args.neighbor else None
         runs = [_measure_once(args, sizes, backends) for _ in range(args.repeats)]
     finally:
-        rate = _stop_neighbor(neighbor) if neighbor is not None else None
+        rate = neighbor_process.stop(neighbor) if neighbor is not None else None
     results = median_rows(runs, backends)
     doc: dict[str, Any] = {"unit": "GB/s (1e9 bytes/s)", "results": results}
     # the intercept of time per write against bytes is a per-write cost only when each write is awaited
@@ -101,6 +113,8 @@ def run_bench(args: argparse.Namespace) -> int:
         _print_table(results, backends, with_fixed_cost=latency_bound)
     if latency_bound:
         doc["fixed_cost_us"] = {b: fixed_cost_us(results, b) for b in backends}
+    if args.cpus:
+        doc["cpus"] = results[0]["cpus"] if results else None
     if args.repeats > 1:
         doc["runs"] = runs
         if latency_bound:
@@ -141,14 +155,19 @@ def _print_senders_table(results: list[dict[str, Any]], backends: list[str]) -> 
 def _measure_once(args: argparse.Namespace, sizes: list[int], backends: list[str]) -> list[dict[str, Any]]:
     """One whole measurement against a fresh receiver process."""
     if args.senders > 1:
-        return transport_senders.measure(sizes, backends, args.senders, args.total_mib << 20, args.spin_us)
+        return transport_senders.measure(
+            sizes, backends, args.senders, args.total_mib << 20, args.spin_us, args.cpus
+        )
     region_bytes = max(sizes) * max(_SLOTS, args.blocks_per_write)
+    where = ",".join(map(str, args.cpus or []))
+    serve = [sys.executable, "-m", "loadgen.bench.transport", "--serve", str(region_bytes), str(args.spin_us)]
     child = subprocess.Popen(
-        [sys.executable, "-m", "loadgen.bench.transport", "--serve", str(region_bytes), str(args.spin_us)],
+        [*serve, where],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
+    allowed = os.sched_getaffinity(0)
     try:
         return asyncio.run(
             _measure_all(
@@ -160,9 +179,11 @@ def _measure_once(args: argparse.Namespace, sizes: list[int], backends: list[str
                 args.window,
                 args.blocks_per_write,
                 transport_senders.bench_config(args.spin_us, ["shm", "tcp"]),
+                args.cpus,
             )
         )
     finally:
+        os.sched_setaffinity(0, allowed)
         if child.stdin is not None:
             child.stdin.close()
         child.wait(timeout=30)
@@ -181,37 +202,6 @@ def median_rows(runs: list[list[dict[str, Any]]], backends: list[str]) -> list[d
     return out
 
 
-def _start_neighbor() -> subprocess.Popen[str]:
-    neighbor = subprocess.Popen(
-        [sys.executable, "-m", "loadgen.bench.transport", "--neighbor"], stdout=subprocess.PIPE, text=True
-    )
-    assert neighbor.stdout is not None
-    if neighbor.stdout.readline().strip() != json.dumps("counting"):
-        neighbor.kill()
-        neighbor.wait(timeout=30)
-        raise RuntimeError("bench neighbor did not start")
-    return neighbor
-
-
-def _stop_neighbor(neighbor: subprocess.Popen[str]) -> float:
-    """Stop the neighbour; its iterations per second while it ran."""
-    neighbor.send_signal(signal.SIGTERM)
-    out, _ = neighbor.communicate(timeout=30)
-    return float(json.loads(out.splitlines()[-1]))
-
-
-def _count_until_terminated() -> None:
-    """The neighbour: count in pure Python until SIGTERM, then print the rate."""
-    stop = [False]
-    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__(0, True))
-    print(json.dumps("counting"), flush=True)
-    start, n = time.perf_counter(), 0
-    while not stop[0]:
-        for _ in range(10_000):
-            n += 1
-    print(json.dumps(n / (time.perf_counter() - start)), flush=True)
-
-
 async def _measure_all(
     child: subprocess.Popen[str],
     region_bytes: int,
@@ -221,17 +211,24 @@ async def _measure_all(
     window: int,
     blocks: int,
     config: TransportConfig,
+    cpus: list[int] | None,
 ) -> list[dict[str, Any]]:
     sender = KvSender(config, sender_id="bench")
     try:
         hello = json.loads(_line(child))
+        where = {"receiver": hello["cpus"], "sender": transport_senders.pin_self(cpus, 1)}
         peers = {b: await sender.connect(hello["endpoint"], timeout_s=10, backend=b) for b in backends}
         for peer in peers.values():  # fault in both mappings before timing
             await peer.write("buf", 0, np.ones(region_bytes, np.uint8), timeout_s=60)
         results = []
         for size in sizes:
             count = max(window * blocks, total // size) // blocks * blocks
-            row: dict[str, Any] = {"size_bytes": size, "messages": count, "blocks_per_write": blocks}
+            row: dict[str, Any] = {
+                "size_bytes": size,
+                "messages": count,
+                "blocks_per_write": blocks,
+                "cpus": where,
+            }
             for backend, peer in peers.items():
                 row[backend] = await _stream(child, peer, size, count, window, blocks, region_bytes)
             row["socket"] = _socket_baseline(child, hello["baseline_port"], size, count)
@@ -338,14 +335,18 @@ def _print_table(results: list[dict[str, Any]], backends: list[str], *, with_fix
 # ---------------------------------------------------------------------------------- receiver process
 
 
-async def _serve(region_bytes: int, spin_us: float | None) -> None:
+async def _serve(region_bytes: int, spin_us: float | None, cpus: list[int]) -> None:
+    where = transport_senders.pin_self(cpus, 0)
     receiver = KvReceiver(transport_senders.bench_config(spin_us, ["shm", "tcp"]), receiver_id="bench-rx")
     await receiver.start()
     receiver.register_region("buf", region_bytes)
     baseline = socket.create_server(("127.0.0.1", 0))
     loop = asyncio.get_running_loop()
     print(
-        json.dumps({"endpoint": receiver.endpoint(), "baseline_port": baseline.getsockname()[1]}), flush=True
+        json.dumps(
+            {"endpoint": receiver.endpoint(), "baseline_port": baseline.getsockname()[1], "cpus": where}
+        ),
+        flush=True,
     )
     while words := (await loop.run_in_executor(None, sys.stdin.readline)).split():
         if words[0] == "consume":
@@ -376,11 +377,10 @@ def _baseline_receive(listener: socket.socket, size: int, count: int) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--neighbor"]:
-        _count_until_terminated()
-    elif sys.argv[1:2] == ["--serve"]:
+    if sys.argv[1:2] == ["--serve"]:
         spin = sys.argv[3] if len(sys.argv) > 3 else "None"
-        asyncio.run(_serve(int(sys.argv[2]), None if spin == "None" else float(spin)))
+        cpus = [int(c) for c in sys.argv[4].split(",") if c] if len(sys.argv) > 4 else []
+        asyncio.run(_serve(int(sys.argv[2]), None if spin == "None" else float(spin), cpus))
     else:
         main_parser = argparse.ArgumentParser(prog="python -m loadgen.bench.transport")
         register(main_parser.add_subparsers(dest="bench", required=True))
