@@ -26,8 +26,9 @@ _MAX_LOAD = 0.5
 _MIN_CAPACITY = 1024
 _BUCKET_BITS = 3
 _BUCKET = 1 << _BUCKET_BITS  # slots per home bucket: one 64-byte line of keys
-_WINDOW = 4  # bucket rows a search reads per round (few keys overflow further than the next bucket)
-_WINDOW_ROWS = np.arange(_WINDOW, dtype=np.int64)
+_WINDOW = 4  # buckets a search reads per round (few keys overflow further than the next bucket)
+_WINDOW_SLOTS = np.arange(_WINDOW * _BUCKET, dtype=np.int64)
+_FEW_BEYOND = 8  # keys of a chain outside their home buckets a match searches without a gap check first
 _LINE = 64  # bytes: arrays start on a cache line, so a bucket's keys are one line, not two
 
 
@@ -118,30 +119,39 @@ class U64Table:
 
     def _search(
         self, keys: np.ndarray, idx: np.ndarray, buckets: np.ndarray, result: np.ndarray, *, prefix_only: bool
-    ) -> None:
-        """Set result[idx] to the slots of keys[idx] (-1: absent), searching from their home buckets on,
-        `_WINDOW` bucket rows per round: a key is absent once a row it has passed has an empty slot. A
-        key is stored once, so a live slot holding it anywhere in the window is its slot."""
-        last = self.capacity // _BUCKET - 1
+    ) -> bool:
+        """Set result[idx] to the slots of keys[idx] (-1: absent), searching from `buckets` on (their home
+        buckets, or one past them), `_WINDOW` buckets per round: a key is absent once a bucket it has
+        passed has an empty slot. A key is stored once, so a live slot holding it anywhere in the window
+        is its slot, and as many hits as keys means every key left was found (the usual case: one round).
+        True when every key was found."""
+        mask = self.capacity - 1
         width = _WINDOW * _BUCKET
+        found_all = True
         while idx.size:
-            rows = (buckets[:, None] + _WINDOW_ROWS) & last
-            states = self._state_rows.take(rows, axis=0, mode="clip").reshape(-1)
-            found = self._key_rows.take(rows, axis=0, mode="clip").reshape(idx.size, -1) == keys[idx][:, None]
+            window = (buckets << _BUCKET_BITS)[:, None] + _WINDOW_SLOTS  # `take` wraps past the end
+            states = self.states.take(window, mode="wrap").reshape(-1)
+            found = self.keys.take(window, mode="wrap") == keys[idx][:, None]
             # past the home bucket a vacant slot may hold the key searched for (0 or 1): check states
             found = found.reshape(-1) & (states == _FULL)
             # flat positions instead of per-row reductions (a reduction over a short axis is slow in numpy)
-            at = found.nonzero()[0]  # one per key found
+            at = found.nonzero()[0]  # at most one per key
+            if at.size == idx.size:
+                result[idx] = window.reshape(-1)[at] & mask
+                return found_all
             hit = np.zeros(idx.size, dtype=bool)
             hit[at // width] = True
-            result[idx[hit]] = (rows.reshape(-1)[at >> _BUCKET_BITS] << _BUCKET_BITS) + (at & (_BUCKET - 1))
+            result[idx[hit]] = window.reshape(-1)[at] & mask
             empty = np.zeros(idx.size, dtype=bool)
             empty[(states == _EMPTY).nonzero()[0] // width] = True
             go_on = ~hit & ~empty
             if prefix_only and (absent := ~hit & empty).any():
                 go_on &= idx < idx[absent].min()
-            result[idx[~hit & ~go_on]] = -1
-            idx, buckets = idx[go_on], (buckets[go_on] + _WINDOW) & last
+            if (stopped := ~hit & ~go_on).any():
+                result[idx[stopped]] = -1
+                found_all = False
+            idx, buckets = idx[go_on], buckets[go_on] + _WINDOW
+        return found_all
 
     def prefix_values(self, keys: np.ndarray) -> np.ndarray:
         """Values of the leading present keys of a chain (stops at the first absent one).
@@ -172,15 +182,18 @@ class U64Table:
         slots[away] = buckets
         if np.count_nonzero(rows) == away.size:  # the usual case: each is elsewhere in its home bucket
             return slots
-        beyond = rows.view(np.uint64).reshape(-1) == 0  # 8 bools as one word: not in the home bucket
-        idx, buckets = away[beyond], buckets[beyond] >> _BUCKET_BITS
-        # such a key is absent if its home bucket has an empty slot: the prefix ends at the first one
-        empty = self._state_rows.take(buckets, axis=0, mode="clip") == _EMPTY
-        if (gap := empty.view(np.uint64).reshape(-1) != 0).any():
-            first = int(gap.argmax())
-            slots = slots[: idx[first]]
-            idx, buckets = idx[:first], buckets[:first]
-        self._search(keys, idx, buckets, slots, prefix_only=True)  # overflowed into later buckets
+        beyond = away[rows.view(np.uint64).reshape(-1) == 0]  # 8 bools as one word: not in the home bucket
+        buckets = slots[beyond] >> _BUCKET_BITS
+        if beyond.size > _FEW_BEYOND:  # likely a chain running into unknown blocks: find where it ends
+            # a key not in its home bucket is absent if that bucket has an empty slot
+            empty = self._state_rows.take(buckets, axis=0, mode="clip") == _EMPTY
+            if (gap := empty.view(np.uint64).reshape(-1) != 0).any():
+                first = int(gap.argmax())
+                slots = slots[: beyond[first]]
+                beyond, buckets = beyond[:first], buckets[:first]
+        # overflowed into later buckets, or absent
+        if self._search(keys, beyond, buckets, slots, prefix_only=True):
+            return slots
         absent = slots < 0
         return slots[: int(np.argmax(absent))] if absent.any() else slots
 

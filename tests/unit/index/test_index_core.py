@@ -261,3 +261,36 @@ def test_keys_overflowing_past_a_search_window_and_around_the_end_are_found_and_
     table.or_values(np.concatenate((vacant, run[::5])), 2)  # back in, into tombstones or later
     assert table.get(np.concatenate((vacant, run[::5]))).tolist() == [2, 2] + [2] * 10
     assert table.prefix_values(np.concatenate((run, vacant))).size == 52
+
+
+def test_lookups_agree_with_a_dict_on_long_overflow_runs_across_the_wrap() -> None:
+    """Random stores, removals and prefix matches on keys crowded into a few home buckets (0, 1, 5 and the
+    last two), so that overflow runs cross the table's end and reach further than one search round,
+    mixed with absent keys and keys 0 and 1: `prefix_values` and `get` agree with a dict throughout."""
+    rng = np.random.default_rng(123)
+    for _ in range(40):
+        table, ref = U64Table(capacity=1024), {}
+        last = table.capacity // 8 - 1
+        crowded = np.concatenate([_homed_in(table, b, 80, rng) for b in (0, 1, 5, last - 1, last)])
+        others = rng.integers(2, 2**64 - 1, size=200, dtype=np.uint64, endpoint=True)
+        universe = np.concatenate((crowded, np.array([0, 1], dtype=np.uint64), others))
+        for _ in range(30):
+            keys, bit = rng.choice(universe, size=int(rng.integers(1, 60))), 1 << int(rng.integers(0, 8))
+            if rng.random() < 0.65:
+                table.or_values(keys, bit)
+                for k in keys.tolist():
+                    ref[k] = ref.get(k, 0) | bit
+            else:
+                table.clear_bits(keys, bit)
+                for k in keys.tolist():
+                    if ref.get(k, 0) & ~bit:
+                        ref[k] &= ~bit
+                    else:
+                        ref.pop(k, None)
+            chain = rng.choice(universe, size=int(rng.integers(1, 120)))
+            expected = [ref.get(k, 0) for k in chain.tolist()]
+            end = expected.index(0) if 0 in expected else len(expected)
+            assert table.prefix_values(chain).tolist() == expected[:end]
+            assert table.get(chain).tolist() == expected
+            stored = rng.permutation(np.array(sorted(ref), dtype=np.uint64))[:100]
+            assert table.prefix_values(stored).tolist() == [ref[k] for k in stored.tolist()]
