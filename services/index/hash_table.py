@@ -120,9 +120,9 @@ class U64Table:
     def _search(
         self, keys: np.ndarray, idx: np.ndarray, buckets: np.ndarray, result: np.ndarray, *, prefix_only: bool
     ) -> bool:
-        """Set result[idx] to the slots of keys[idx] (-1: absent), searching from `buckets` on (their home
-        buckets, or one past them), `_WINDOW` buckets per round: a key is absent once a bucket it has
-        passed has an empty slot. A key is stored once, so a live slot holding it anywhere in the window
+        """Set result[idx] to the slots of keys[idx] (-1: absent), searching from `buckets` (their home
+        buckets) on, `_WINDOW` buckets per round: a key is absent once a bucket it has passed has an
+        empty slot. A key is stored once, so a live slot holding it anywhere in the window
         is its slot, and as many hits as keys means every key left was found (the usual case: one round).
         True when every key was found."""
         mask = self.capacity - 1
