@@ -28,25 +28,31 @@ def removed(hashes: list[int], location: str = "store", source: str = "s0") -> B
     return BlockRemoved(source=source, epoch=1, seq=_next(source), location=location, block_hashes=hashes)
 
 
+def _random_update(
+    table: U64Table, ref: dict[int, int], keys: np.ndarray, rng: np.random.Generator, *, bits: int
+) -> None:
+    """Set (6 times in 10) or clear one random bit of `keys` in the table and in its dict twin."""
+    bit = 1 << int(rng.integers(0, bits))
+    if rng.random() < 0.6:
+        table.or_values(keys, bit)
+        for k in keys.tolist():
+            ref[k] = ref.get(k, 0) | bit
+    else:
+        table.clear_bits(keys, bit)
+        for k in keys.tolist():
+            if ref.get(k, 0) & ~bit:
+                ref[k] &= ~bit
+            else:
+                ref.pop(k, None)
+
+
 def test_hash_table_matches_a_dict_under_random_operations() -> None:
     rng = np.random.default_rng(7)
     table, ref = U64Table(), {}
     universe = rng.integers(0, 2**64 - 1, size=5000, dtype=np.uint64, endpoint=True)
     universe[:3] = [0, 1, 2**64 - 1]  # no reserved keys
     for _ in range(200):
-        keys = rng.choice(universe, size=int(rng.integers(1, 300)))
-        bit = 1 << int(rng.integers(0, 64))
-        if rng.random() < 0.6:
-            table.or_values(keys, bit)
-            for k in keys.tolist():
-                ref[k] = ref.get(k, 0) | bit
-        else:
-            table.clear_bits(keys, bit)
-            for k in keys.tolist():
-                if k in ref:
-                    ref[k] &= ~bit
-                    if not ref[k]:
-                        del ref[k]
+        _random_update(table, ref, rng.choice(universe, size=int(rng.integers(1, 300))), rng, bits=64)
     assert len(table) == len(ref)
     assert table.get(universe).tolist() == [ref.get(k, 0) for k in universe.tolist()]
     keys, values = table.items()
@@ -275,18 +281,7 @@ def test_lookups_agree_with_a_dict_on_long_overflow_runs_across_the_wrap() -> No
         others = rng.integers(2, 2**64 - 1, size=200, dtype=np.uint64, endpoint=True)
         universe = np.concatenate((crowded, np.array([0, 1], dtype=np.uint64), others))
         for _ in range(30):
-            keys, bit = rng.choice(universe, size=int(rng.integers(1, 60))), 1 << int(rng.integers(0, 8))
-            if rng.random() < 0.65:
-                table.or_values(keys, bit)
-                for k in keys.tolist():
-                    ref[k] = ref.get(k, 0) | bit
-            else:
-                table.clear_bits(keys, bit)
-                for k in keys.tolist():
-                    if ref.get(k, 0) & ~bit:
-                        ref[k] &= ~bit
-                    else:
-                        ref.pop(k, None)
+            _random_update(table, ref, rng.choice(universe, size=int(rng.integers(1, 60))), rng, bits=8)
             chain = rng.choice(universe, size=int(rng.integers(1, 120)))
             expected = [ref.get(k, 0) for k in chain.tolist()]
             end = expected.index(0) if 0 in expected else len(expected)
