@@ -2,12 +2,13 @@
 
 Builds an index of --blocks random block hashes through the same path the service uses (BlockStored
 events of --event-blocks hashes each), then measures process RSS (psutil) and the latency of matching
---chain-long hash chains in-process. The chains are 64 events' hashes spread evenly over the build (what was
-stored early sits in its own slot more often than what came late, so the first events alone flatter the
-table); `match_recent` takes the last 64 events (a session's latest blocks, stored into the fullest table).
-Half-hit chains have their second half unknown. Matches take the chain as a list of ints (as decoded from a
-request) and, `match_full_hit_u64`, as a uint64 array (the conversion, ~8 us per 512 hashes, is then the
-caller's). With --bus it also times `IndexClient.match` round trips to an in-process index service over NATS.
+--chain-long hash chains in-process. The chains are 64 events' hashes spread evenly over the build (what
+was stored early sits in its own slot more often than what came late, so the first events alone flatter
+the table); `match_recent_u64` takes the last 64 events (a session's latest blocks, stored into the
+fullest table). Half-hit chains have their second half unknown. Matches take the chain as a list of ints
+(as decoded from a request) and, `match_full_hit_u64`, as a uint64 array (the conversion, ~8 us per 512
+hashes, is then the caller's). With --bus it also times `IndexClient.match` round trips to an in-process
+index service over NATS.
 """
 
 from __future__ import annotations

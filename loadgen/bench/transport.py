@@ -15,7 +15,7 @@ what polling costs a neighbour and what it buys the writes (the transport's poll
 2-core machine; README "Hot paths").
 
 `--cpus A,B`: the receiver process runs on CPU A only and the sender on B (with `--senders`: sender j on
-the (j + 1)-th id, wrapping). Unpinned, a 2-core host's scheduler often puts the two ends of a one-in-flight
+the (j + 1)-th id, wrapping). Unpinned, a 2-core host's scheduler sometimes puts both ends of a one-in-flight
 stream on one core, where each waits for the other's time slice: a run then moves several times slower, and
 which runs do is chance. `--cpus 0,1` measures two ends on two cores (two engines), `--cpus 0` one core.
 """
