@@ -61,6 +61,11 @@ class PagedKVCache:
         return self._null_block
 
     @property
+    def null_block_or_none(self) -> int:
+        """`null_block` if it was taken, else -1 (no block table holds it yet); reading it takes nothing."""
+        return self._null_block
+
+    @property
     def num_free_blocks(self) -> int:
         return len(self._free_ids)
 

@@ -10,9 +10,10 @@ the ~3 ms splice, c = 0.5-1.5 us per token and layer). It regenerates:
 - the host-overhead regime of the paper's Python client (route TTFT 3.5 ms + 12.5 us M_q against a
   splice-free bytes-back fetch through the same client, 3.5 ms + the pull: fetch wins below ~200 rows);
 - the predicate's choice per (fabric, request shape), with every exchange paid once per layer;
-- the memory-bound fan-in: N sub-agents of one chunk admitted in order into a requester cache that holds only
-  a few copies of it, each taking the KV its primitive keeps (`resident_kv_tokens`), auto deciding with the
-  free KV left (`choose`, the router's rule): how many run at once per primitive.
+- the memory-bound fan-in, timed (`movequery_memory.py`): N sub-agents of one chunk arriving at once at a
+  requester cache that holds only a few copies of it, admitted as memory frees, auto deciding with the
+  router's rule (free KV and release times): per primitive how many run at once, TTFT and makespan, with an
+  idle holder and with a busy one (where waiting for room to fetch beats routing).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import dataclasses
 import math
 from typing import Any
 
+from loadgen.sim.movequery_memory import timed_fanin
 from services.policy.movequery import (
+    CostProfile,
+    Fabric,
     Primitive,
     RouteRequest,
     byte_break_even_rows,
@@ -36,6 +40,9 @@ from services.policy.movequery_profile import PAPER_FABRICS, paper_profile
 M_Q = (1, 16, 64, 256, 512, 1024, 2048, 4096)
 CHUNK_TOKENS = 2048
 HOST_ROUTE_PER_ROW_S = 12.5e-6  # the paper's end-to-end Python client: route TTFT 3.5 ms + 12.5 us M_q
+STEP_S = 0.02  # the rest of the model's decode step in the fan-in (an assumption: the paper gives none)
+BUSY_HOLDER_QUEUE_S = 1e-3  # a holder serving other requesters holds each exchange this long
+SPACED_GAP_S = 4.0  # sub-agents arriving one by one: about as fast as the cache's copies turn over
 
 
 def movequery_sweep() -> dict[str, Any]:
@@ -90,27 +97,31 @@ def _choices(profile: Any) -> list[dict[str, Any]]:
 
 
 def memory_bound_fanin(
-    profile: Any, fabric: Any, *, n: int = 64, copies: int = 3, own_tokens: int = 320, steps: int = 400
-) -> dict[str, int]:
+    profile: CostProfile,
+    fabric: Fabric,
+    *,
+    n: int = 64,
+    copies: int = 3,
+    own_tokens: int = 320,
+    steps: int = 400,
+    step_s: float = STEP_S,
+) -> dict[str, Any]:
     """Sub-agents (chunk 2048 + `own_tokens` prompt, `steps` answer tokens: long enough that fetch wins on
-    time) admitted first come first served into a cache of `copies` fetched sub-agents' KV: how many run at
-    once under each forced primitive and under auto; `auto_routed`: how many of those auto routed."""
+    time) at a requester whose cache holds `copies` fetched sub-agents' KV (`movequery_memory.timed_fanin`):
+    all at once, with an idle holder and with a busy one, and one every `SPACED_GAP_S` to the busy one."""
     req = RouteRequest(CHUNK_TOKENS, own_tokens, steps)
     capacity = copies * resident_kv_tokens(Primitive.FETCH, req)
-    out = {}
-    for mode in ("route", "fetch", "local", "auto"):
-        free, admitted, routed = capacity, 0, 0
-        for _ in range(n):
-            sized = dataclasses.replace(req, free_kv_tokens=free)
-            primitive = choose(profile, fabric, sized).primitive if mode == "auto" else Primitive(mode)
-            need = resident_kv_tokens(primitive, req)
-            if need > free:
-                break  # head of line waits for memory
-            free, admitted, routed = free - need, admitted + 1, routed + (primitive is Primitive.ROUTE)
-        out[mode] = admitted
-        if mode == "auto":
-            out["auto_routed"] = routed
-    return out
+    busy = dataclasses.replace(req, holder_queue_s=BUSY_HOLDER_QUEUE_S)
+    return {
+        "n": n,
+        "capacity_kv_tokens": capacity,
+        "spaced_gap_s": SPACED_GAP_S,
+        "burst_idle_holder": timed_fanin(profile, fabric, req, n=n, capacity=capacity, step_s=step_s),
+        "burst_busy_holder": timed_fanin(profile, fabric, busy, n=n, capacity=capacity, step_s=step_s),
+        "spaced_busy_holder": timed_fanin(
+            profile, fabric, busy, n=n, capacity=capacity, step_s=step_s, gap_s=SPACED_GAP_S
+        ),
+    }
 
 
 def format_movequery(result: dict[str, Any]) -> str:
@@ -135,9 +146,17 @@ def format_movequery(result: dict[str, Any]) -> str:
     )
     fan = result["memory_bound_fanin"]
     lines.append(
-        "memory-bound fan-in (64 sub-agents, cache of 3 fetched copies, ibgda) running at once: "
-        + ", ".join(f"{k} {v}" for k, v in fan.items())
+        f"memory-bound fan-in, ibgda: {fan['n']} sub-agents into a cache of 3 fetched copies "
+        f"({fan['capacity_kv_tokens']} tokens), all at once or one every {fan['spaced_gap_s']:.0f} s: "
+        "at once / TTFT p50 / latency p50 / makespan (auto: routed)"
     )
+    for case in ("burst_idle_holder", "burst_busy_holder", "spaced_busy_holder"):
+        cells = [
+            f"{mode} {r['at_once']} / {r['ttft_p50_s']:.1f} / {r['latency_p50_s']:.1f} / "
+            f"{r['makespan_s']:.0f} s" + (f" ({r['routed']})" if mode == "auto" else "")
+            for mode, r in fan[case].items()
+        ]
+        lines.append(f"  {case.replace('_', ' ')}: " + ", ".join(cells))
     lines.append("predicate (every exchange once per layer):")
     for c in result["choices"]:
         lines.append(f"  {c['fabric']:<14}{c['request']:<40}{c['choice']}")

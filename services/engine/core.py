@@ -20,6 +20,7 @@ from services.engine import choices, metrics, tracing
 from services.engine.admission import check_kv_plan, check_prompt, check_room
 from services.engine.config import EngineConfig
 from services.engine.connector import KvConnector, NullConnector
+from services.engine.load_state import StepClock, engine_load
 from services.engine.outbox import Outgoing, Publish, TokenOutbox
 from services.engine.sampling import banned_token_ids, new_sequence, sampling_options
 from services.engine.scheduler import EngineScheduler, PrefillChunk, StepPlan
@@ -74,6 +75,7 @@ class EngineCore:
         # prompt tokens (loaded + computed) per second of prefill: the unit of the router's tok_e, so
         # DualPath's beta (tokens a PE processes in beta_s) counts whole prompts, as the paper's len_r does
         self.prefill_rate = RateMeter()
+        self.step_clock = StepClock()  # the loop's step period while it decodes (kv_release.py)
         self.outbox = TokenOutbox(engine_id, publish)
         self.grammars = GrammarCompiler(runner.tokenizer)
         self.is_draining = False
@@ -196,6 +198,7 @@ class EngineCore:
         return out
 
     async def _execute(self, plan: StepPlan) -> dict[Sequence, int]:
+        started = time.perf_counter()
         sampled: dict[Sequence, int] = {}
         loads = [c for c in plan.prefill if c.num_tokens == 0]
         if loads:  # prompts prefilled elsewhere: import their KV, nothing to compute
@@ -205,6 +208,7 @@ class EngineCore:
             sampled.update(await self._prefill(computed))
         if plan.decode:
             sampled.update(await self._decode(plan.decode))
+            self.step_clock.add(time.perf_counter() - started)  # a decoding step: its prefill chunks too
         return sampled
 
     async def _prefill(self, computed: list[PrefillChunk]) -> dict[Sequence, int]:
@@ -374,19 +378,10 @@ class EngineCore:
     # --------------------------------------------------------------------------------------- reports
 
     def load(self) -> dict[str, Any]:
-        queued = [s for s in self.seqs.values() if s.status is not SeqStatus.RUNNING]
-        bs = self.scheduler.block_size
-        waiting = sum(max(0, s.num_tokens - bs * len(s.block_ids)) for s in queued)
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(queued),
-            "unfinished_tokens": sum(s.num_tokens for s in self.seqs.values()),
-            "free_kv_blocks": self.runner.kv.num_free_blocks,
-            "total_kv_blocks": self.runner.kv.num_blocks,
-            # KV the queued requests will need (their tokens, less a routed chunk's placeholder blocks)
-            "waiting_kv_tokens": waiting,
-            "rates": {"prefill_tokens_per_s": self.prefill_rate.value},
-        }
+        """What the engine's load report and health state say of its requests and cache (load_state.py)."""
+        return engine_load(
+            self.seqs.values(), self.scheduler, self.runner.kv, self.prefill_rate, self.step_clock
+        )
 
 
 def quota_planner(config: EngineConfig, runner: ModelRunner) -> QuotaPlanner | None:

@@ -10,11 +10,13 @@ M_q counts query rows on the wire, one per (token, head), q and p their bytes (t
 (o, m, l)); b_KV is the KV of one token and layer. The paper's rule takes the argmin of the three per
 (chunk, request); kvpath applies it per request at dispatch with the request's whole life in view (its
 prefill's rows, then one token's rows per decode step, every exchange paid once per layer, since a layer's
-query depends on the layer before), the requester's free KV memory after the work queued on it (fetch and
-local need room for the chunk and, so that the next request sharing it does not queue for memory, for one
-more copy: `can_take_chunk`; route keeps only the request's own tokens, so in the memory-bound fan-in it
-serves the sub-agents a requester cannot hold copies for) and the holder's queue, and again between decode
-steps (`keep_routing`), when the remaining steps and the holder's measured queue are known.
+query depends on the layer before), the requester's free KV memory after the work queued on it and the
+holder's queue, and again between decode steps (`keep_routing`), when the remaining steps and the holder's
+measured queue are known. Memory: fetch and local keep a private copy of the chunk, route only the request's
+own tokens; a primitive whose KV (for a copy: with room for one more, `memory_need_tokens`) does not fit now
+pays the wait until the requester's running requests have given back enough (`memory_wait_s`, from the
+release times its load report states), so in the memory-bound fan-in a sub-agent routes when waiting for
+room for a copy costs more than routing (a busy holder), and waits for the room when that costs less.
 
 Who calls it: the router (`services/router/route_choice.py`) at dispatch, the engine's route sessions
 between steps, the simulator (`loadgen/sim/movequery*.py`) with the paper's fabrics. Constants come from a
@@ -153,6 +155,9 @@ class RouteRequest:
     decode_steps: int  # tokens it will generate (max_tokens: an upper bound)
     # the requester's free cache after the work queued on it (None: unknown, assume room)
     free_kv_tokens: int | None = None
+    # when the requester's running requests give their KV back: (seconds from now, tokens), soonest first
+    # (each at its answer's upper bound, from the requester's load report); empty: not known
+    kv_release: tuple[tuple[float, int], ...] = ()
     holder_queue_s: float = 0.0  # how long the holder's queue holds an exchange now (measured)
     can_route: bool = True  # a live holder and a requester that speaks the protocol
     can_fetch: bool = True  # the chunk is in the store
@@ -192,16 +197,49 @@ def request_costs(
         Primitive.FETCH: first[Primitive.FETCH] + steps * attend_step,
         Primitive.LOCAL: first[Primitive.LOCAL] + steps * attend_step,
     }
+    for p, wait in _memory_waits_s(req).items():
+        first[p] += wait
+        total[p] += wait
     infeasible = set()
     if not req.can_route:
         infeasible.add(Primitive.ROUTE)
     if not req.can_fetch:
         infeasible.add(Primitive.FETCH)
-    if req.can_route and not can_take_chunk(req):
-        infeasible |= {Primitive.FETCH, Primitive.LOCAL}  # memory-bound: route needs no room for the chunk
     for p in infeasible:
         total[p] = first[p] = math.inf
     return {str(k): v for k, v in total.items()}, {str(k): v for k, v in first.items()}
+
+
+def _memory_waits_s(req: RouteRequest) -> dict[Primitive, float]:
+    """Each primitive's wait for the requester's memory (`memory_wait_s`). Without a holder to route to the
+    wait does not decide (fetch and local keep the same KV, and the engine queues either); when not even
+    the request's own tokens have a known release time, route, which needs the least, is taken to go first."""
+    waits = {p: memory_wait_s(req, memory_need_tokens(p, req)) for p in PRIMITIVES}
+    if not req.can_route:
+        return dict.fromkeys(PRIMITIVES, 0.0)
+    if math.isinf(waits[Primitive.ROUTE]):
+        return {p: 0.0 if p is Primitive.ROUTE else math.inf for p in PRIMITIVES}
+    if req.free_kv_tokens is not None and req.free_kv_tokens < 0:  # a backlog: copies wait out of turn
+        waits[Primitive.FETCH] = waits[Primitive.LOCAL] = math.inf
+    return waits
+
+
+def memory_wait_s(req: RouteRequest, need_tokens: int) -> float:
+    """How long a request that keeps `need_tokens` of KV on the requester waits for memory: 0 while the free
+    KV (after the work queued there, which goes first) holds it, else until the requester's running requests
+    have released the shortfall (`kv_release`, counted at the answers' upper bounds). Past the last known
+    release the queued work is taken to run and release at the same pace; inf when no release is known."""
+    if req.free_kv_tokens is None or req.free_kv_tokens >= need_tokens:
+        return 0.0
+    short = need_tokens - req.free_kv_tokens
+    released, last_s = 0, 0.0
+    for at_s, tokens in req.kv_release:
+        released, last_s = released + tokens, max(last_s, at_s)
+        if released >= short:
+            return last_s
+    if released <= 0 or last_s <= 0:
+        return math.inf
+    return last_s * short / released
 
 
 def resident_kv_tokens(primitive: Primitive | str, req: RouteRequest) -> int:
@@ -211,14 +249,18 @@ def resident_kv_tokens(primitive: Primitive | str, req: RouteRequest) -> int:
     return own if Primitive(primitive) is Primitive.ROUTE else own + req.chunk_tokens
 
 
+def memory_need_tokens(primitive: Primitive | str, req: RouteRequest) -> int:
+    """The requester's free KV a primitive waits for: what it keeps (`resident_kv_tokens`), and for fetch
+    and local room for one more copy of the chunk besides. That margin is the fan-in's: the next request
+    sharing the chunk would otherwise queue for memory behind a copy (or preempt a running request), which
+    route, keeping only its own tokens, avoids; so a copy is taken only while it leaves room to route."""
+    need = resident_kv_tokens(primitive, req)
+    return need if Primitive(primitive) is Primitive.ROUTE else need + req.chunk_tokens
+
+
 def can_take_chunk(req: RouteRequest) -> bool:
-    """Whether fetch or local (a private copy of the chunk in the requester's cache) leaves the requester
-    room to keep serving: its free KV must hold this request with its copy and one more copy of the chunk.
-    Below that the next request sharing the chunk queues for memory (or preempts a running one), the
-    fan-in's bottleneck, which route does not have: it keeps only the request's own tokens."""
-    if req.free_kv_tokens is None:
-        return True
-    return req.free_kv_tokens >= resident_kv_tokens(Primitive.FETCH, req) + req.chunk_tokens
+    """Whether fetch or local (a private copy of the chunk) needs no wait for the requester's memory."""
+    return memory_wait_s(req, memory_need_tokens(Primitive.FETCH, req)) == 0.0
 
 
 def choose(profile: CostProfile, fabric: Fabric, req: RouteRequest) -> Choice:

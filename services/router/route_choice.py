@@ -138,6 +138,19 @@ class HeldRouting:
         block_size = self._block_size()
         return state.snapshot(block_size).free_kv_tokens - state.report.waiting_kv_tokens
 
+    def kv_release(self, engine_id: str) -> tuple[tuple[float, int], ...]:
+        """When the engine's running requests give KV back (seconds from now, tokens), from its last load
+        report less the report's age."""
+        state = self.engines.get(engine_id)
+        if state is None:
+            return ()
+        report = state.report
+        age = max(0.0, time.time() - report.sent_at)
+        return tuple(
+            (max(0.0, at - age), n)
+            for at, n in zip(report.kv_release_s, report.kv_release_tokens, strict=True)
+        )
+
     def apply(
         self, plan: RequestPlan, engine_id: str, locality: Mapping[str, int], chosen: str | None = None
     ) -> None:
@@ -173,6 +186,7 @@ class HeldRouting:
             new_tokens=plan.num_prompt_tokens - chunk,
             decode_steps=plan.sampling.max_tokens,
             free_kv_tokens=self.free_kv_tokens(engine_id),
+            kv_release=self.kv_release(engine_id),
             holder_queue_s=route.holder_queue_s,
             can_fetch=num_store >= n,
         )

@@ -105,7 +105,13 @@ class LoadReport(Message):
     """Periodic load of a service. Engines fill the scheduling fields, storage the read-queue ones."""
 
     KIND = "load_report"
-    RANGES = {"waiting_kv_tokens": (0, None), "max_num_batched_tokens": (0, None)}
+    RANGES = {
+        "waiting_kv_tokens": (0, None),
+        "max_num_batched_tokens": (0, None),
+        "kv_release_s": (0.0, None),
+        "kv_release_tokens": (0, None),
+    }
+    MAX_RELEASES = 64
     service_id: str
     role: str
     node: int
@@ -129,6 +135,18 @@ class LoadReport(Message):
     # when this process of the service started (unix s): a new value under the same id is a restart, and
     # whatever the old process was serving is lost
     incarnation_unix_s: float = 0.0
+    # engines: when their running requests give KV back, soonest first: after kv_release_s[i] seconds (from
+    # sent_at; the answers' upper bounds) kv_release_tokens[i] more tokens (services/engine/load_state.py)
+    kv_release_s: list[float] = field(default_factory=list)
+    kv_release_tokens: list[int] = field(default_factory=list)
+
+    def check(self) -> None:
+        if len(self.kv_release_s) != len(self.kv_release_tokens):
+            raise ValueError("kv_release_s and kv_release_tokens differ in length")
+        if len(self.kv_release_s) > self.MAX_RELEASES:
+            raise ValueError(f"kv_release_s has more than {self.MAX_RELEASES} entries")
+        if self.kv_release_s != sorted(self.kv_release_s):
+            raise ValueError("kv_release_s is not in ascending order")
 
 
 @message

@@ -227,11 +227,19 @@ ROUTE = RouteCapability(
         (_report(waiting_kv_tokens=-1), "waiting_kv_tokens"),
         (_report(route=dataclasses.replace(ROUTE, num_layers=0)), "num_layers"),
         (_report(route=dataclasses.replace(ROUTE, holder_queue_s=-0.5)), "holder_queue_s"),
+        (_report(kv_release_s=[0.1, 0.2], kv_release_tokens=[64]), "differ in length"),
+        (_report(kv_release_s=[0.2, 0.1], kv_release_tokens=[64, 64]), "ascending"),
+        (_report(kv_release_s=[-0.1], kv_release_tokens=[64]), "kv_release_s"),
+        (_report(kv_release_s=[0.1], kv_release_tokens=[-64]), "kv_release_tokens"),
+        (_report(kv_release_s=[float("nan")], kv_release_tokens=[64]), "kv_release_s"),
+        (_report(kv_release_s=[0.1] * 65, kv_release_tokens=[1] * 65), "more than 64"),
     ],
 )
 def test_load_reports_typed_fields_are_checked_on_receipt(report: LoadReport, fragment: str) -> None:
     with pytest.raises(ProtocolError) as err:
         decode(encode(report), LoadReport)
     assert fragment in err.value.message
-    good = _report(waiting_kv_tokens=3000, route=ROUTE)
+    good = _report(
+        waiting_kv_tokens=3000, route=ROUTE, kv_release_s=[0.05, 0.05, 1.5], kv_release_tokens=[64, 0, 1024]
+    )
     assert decode(encode(good), LoadReport) == good

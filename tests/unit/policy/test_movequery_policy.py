@@ -13,11 +13,14 @@ from services.policy.movequery import (
     Primitive,
     RouteRequest,
     byte_break_even_rows,
+    can_take_chunk,
     choose,
     fetch_s,
     keep_routing,
     local_fetch_crossover_tokens,
     local_s,
+    memory_need_tokens,
+    memory_wait_s,
     resident_kv_tokens,
     route_exchange_s,
     route_fetch_crossover_rows,
@@ -114,25 +117,42 @@ def test_the_predicate_per_request() -> None:
     assert choose(profile, PAPER_FABRICS["ibgda"], nothing).primitive is Primitive.LOCAL
 
 
-def test_memory_bound_requester_routes_what_it_cannot_hold_copies_for() -> None:
-    """The fan-in's memory rule on a hand-made requester: fetch wins on time while the requester's free KV
-    holds this sub-agent's copy of the chunk and one more; below that (the next sub-agent would queue for
-    memory) only route, which keeps the sub-agent's own tokens, is feasible."""
+def test_memory_bound_requester_waits_for_room_or_routes_whichever_costs_less() -> None:
+    """The fan-in's memory rule on a hand-made requester: fetch wins on time while its free KV holds this
+    sub-agent's copy of the chunk and one more; short of that, fetch pays the wait until the running requests
+    have released the shortfall (the requester's release schedule), and route wins once that wait costs more
+    than routing; with nothing known of the releases only route, which keeps its own tokens, is priced."""
     profile, ibgda = paper_profile(with_compute=True), PAPER_FABRICS["ibgda"]
     sub_agent = RouteRequest(chunk_tokens=2048, new_tokens=64, decode_steps=400)
-    assert resident_kv_tokens(Primitive.ROUTE, sub_agent) == 464
+    assert resident_kv_tokens(Primitive.ROUTE, sub_agent) == memory_need_tokens("route", sub_agent) == 464
     assert resident_kv_tokens("fetch", sub_agent) == resident_kv_tokens("local", sub_agent) == 2512
-    two_copies = 2512 + 2048
-    roomy = dataclasses.replace(sub_agent, free_kv_tokens=two_copies)
-    assert choose(profile, ibgda, roomy).primitive is Primitive.FETCH  # fits: time decides
-    one_copy = dataclasses.replace(sub_agent, free_kv_tokens=two_copies - 1)  # this one fits, the next not
+    assert memory_need_tokens("fetch", sub_agent) == memory_need_tokens("local", sub_agent) == 2512 + 2048
+    roomy = dataclasses.replace(sub_agent, free_kv_tokens=2512 + 2048)
+    assert can_take_chunk(roomy) and choose(profile, ibgda, roomy).primitive is Primitive.FETCH
+    one_copy = dataclasses.replace(sub_agent, free_kv_tokens=2512 + 2047)  # this one fits, the next not
     choice = choose(profile, ibgda, one_copy)
-    assert choice.primitive is Primitive.ROUTE
+    assert not can_take_chunk(one_copy) and choice.primitive is Primitive.ROUTE
     assert math.isinf(choice.costs_s["fetch"]) and math.isinf(choice.costs_s["local"])
-    queued = dataclasses.replace(sub_agent, free_kv_tokens=-300)  # queued work already exceeds the free KV
-    assert choose(profile, ibgda, queued).primitive is Primitive.ROUTE
+    # a holder so busy that routing costs 2 s more than fetching
+    busy = dataclasses.replace(one_copy, holder_queue_s=2.0 / (27 * 400))
+    gap = choose(profile, ibgda, busy).costs_s["route"] - choose(profile, ibgda, roomy).costs_s["fetch"]
+    assert 1.9 < gap < 2.2
+    soon = dataclasses.replace(busy, kv_release=((0.5, 3000),))  # a running request frees 3000 tokens soon
+    choice = choose(profile, ibgda, soon)
+    assert choice.primitive is Primitive.FETCH  # it waits for that room, priced exactly that long
+    assert choice.ttft_s["fetch"] == pytest.approx(choose(profile, ibgda, roomy).ttft_s["fetch"] + 0.5)
+    late = dataclasses.replace(busy, kv_release=((3.0, 3000),))  # ...or late: routing costs less
+    assert choose(profile, ibgda, late).primitive is Primitive.ROUTE
+    # the queued work goes first: 300 tokens owed; releases of 1000 tokens at 0.1 and 0.2 s
+    queued = dataclasses.replace(sub_agent, free_kv_tokens=-300, kv_release=((0.1, 1000), (0.2, 1000)))
+    assert memory_wait_s(queued, 464) == 0.1  # route: 764 short
+    assert memory_wait_s(queued, 4560) == pytest.approx(0.2 * 4860 / 2000)  # past the schedule: its pace
+    assert memory_wait_s(dataclasses.replace(queued, kv_release=()), 464) == math.inf
+    # nothing known: route needs the least memory, so it goes first
+    assert choose(profile, ibgda, dataclasses.replace(queued, kv_release=())).primitive is Primitive.ROUTE
     # without a holder nothing avoids memory: time decides again (fetch), the engine queues it
-    assert choose(profile, ibgda, dataclasses.replace(queued, can_route=False)).primitive is Primitive.FETCH
+    unrouted = dataclasses.replace(queued, kv_release=(), can_route=False)
+    assert choose(profile, ibgda, unrouted).primitive is Primitive.FETCH
 
 
 def test_keep_routing_between_steps() -> None:

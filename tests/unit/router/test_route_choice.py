@@ -36,18 +36,26 @@ def table(
     waiting: dict[str, int] | None = None,
     holds: tuple[str, ...] = (),
     compute: dict[str, str] | None = None,
+    holder_queue_s: float = 0.0,
+    release: dict[str, tuple[list[float], list[int]]] | None = None,
 ) -> EngineTable:
-    """e0 and e1; those in `holds` may hold chunks; `compute`: their `compute_id`s (none by default)."""
+    """e0 and e1; those in `holds` may hold chunks; `compute`: their `compute_id`s (none by default);
+    `holder_queue_s`: e0's; `release`: engines' release schedules (reports sent now)."""
     engines = EngineTable(silence_timeout_s=3.0)
     now = time.monotonic()
     for engine_id in ("e0", "e1"):
         route = dataclasses.replace(ROUTE, hold_budget_blocks=100 if engine_id in holds else 0)
+        if engine_id == "e0":
+            route = dataclasses.replace(route, holder_queue_s=holder_queue_s)
+        release_s, release_tokens = (release or {}).get(engine_id, ([], []))
         report = LoadReport(
             service_id=engine_id,
             role="colocated",
             node=0,
             seq=1,
-            sent_at=0.0,
+            sent_at=time.time() if release_s else 0.0,
+            kv_release_s=release_s,
+            kv_release_tokens=release_tokens,
             free_kv_blocks=free_kv_blocks,
             kv_format=FMT,
             waiting_kv_tokens=(waiting or {}).get(engine_id, 0),
@@ -129,6 +137,35 @@ def test_auto_routes_the_burst_the_requester_cannot_hold_copies_for() -> None:
     full = table(free_kv_blocks=96, waiting={"e0": 6000})
     full_holder = HeldRouting(full, mode="auto", profile=None, fabric="shm")
     assert full_holder.avoid(locality, plan(64 * 32 + 300, 32)) == {"e0"}
+
+
+def test_auto_waits_for_the_requesters_memory_when_that_costs_less_than_a_busy_holder() -> None:
+    """A requester with room for one copy of the document but not a second: with an idle holder the
+    sub-agent routes; with a holder whose queue holds every exchange 50 ms (4 layers x 32 steps: ~6 s more),
+    it fetches if the requester's load report says a running request gives 64 blocks back in 0.2 s (the wait
+    is priced), and routes again if that release is 30 s away or unknown.
+    The report's age counts: the same 0.2 s release in a report sent 0.15 s ago is 0.05 s away."""
+    locality = {"held:e0": 32, "store": 32}
+
+    def choice(holder_queue_s: float, release: tuple[list[float], list[int]] | None) -> str:
+        engines = table(
+            free_kv_blocks=40, holder_queue_s=holder_queue_s, release={"e1": release} if release else None
+        )
+        p = plan(64 * 32 + 300, 32, hits=32)
+        HeldRouting(engines, mode="auto", profile=None, fabric="shm").apply(p, "e1", locality)
+        assert p.kv.held is not None
+        return p.kv.held.primitive
+
+    assert choice(0.0, ([0.2], [64 * 64])) == "route"
+    assert choice(0.05, ([0.2], [64 * 64])) == "fetch"
+    assert choice(0.05, ([30.0], [64 * 64])) == "route"
+    assert choice(0.05, None) == "route"
+    aged = table(free_kv_blocks=40, release={"e1": ([0.2], [64])})
+    state = aged.get("e1")
+    assert state is not None
+    state.report.sent_at -= 0.15
+    ((at, tokens),) = HeldRouting(aged, mode="auto", profile=None, fabric="shm").kv_release("e1")
+    assert tokens == 64 and 0.0 < at <= 0.05
 
 
 def test_auto_leaves_a_holder_that_shares_its_compute_to_the_engines_it_shares_with() -> None:

@@ -1,0 +1,84 @@
+"""An engine's load as its load report (and health state) tells it, with when its requests give KV back.
+
+`engine_load`: requests running and queued, free and total KV blocks, the KV the queued requests will need,
+the measured prefill rate, and the release schedule. The router prices a request's wait for this engine's
+memory with the schedule (`memory_wait_s` in `services/policy/movequery.py`: a sub-agent that would keep a
+private copy of a held chunk here either waits for room or routes its query to the holder). A running
+request releases its blocks when it finishes, at the latest after the answer tokens it has left (`max_tokens`
+less those generated), each one step of the engine loop, whose period (`StepClock`, the prefill chunks of
+the same steps included) turns steps into seconds. A routed chunk's positions hold placeholders
+(`kv.null_block`) and release nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from gpu.kv_cache import PagedKVCache
+from services.engine.scheduler import EngineScheduler
+from services.engine.sequence import SeqStatus, Sequence
+from services.policy.quota import RATE_WEIGHT, RateMeter
+
+MAX_RELEASES = 32  # entries a load report carries, soonest first (later ones: the router extrapolates)
+
+
+class StepClock:
+    """Exponentially weighted period of the engine loop's decoding steps (seconds); 0 before the first."""
+
+    __slots__ = ("_weight", "step_s")
+
+    def __init__(self, weight: float = RATE_WEIGHT) -> None:
+        self._weight = weight
+        self.step_s = 0.0
+
+    def add(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        w = self._weight
+        self.step_s = seconds if self.step_s == 0 else (1 - w) * self.step_s + w * seconds
+
+
+def release_schedule(
+    running: Iterable[Sequence], *, block_size: int, null_block: int, step_s: float
+) -> dict[str, list[float] | list[int]]:
+    """The load report's `kv_release_s` / `kv_release_tokens`: per distinct number of steps left (soonest
+    first, at most MAX_RELEASES), when and how many KV tokens the requests finishing then give back. Empty
+    until a decoding step has been timed."""
+    if step_s <= 0:
+        return {"kv_release_s": [], "kv_release_tokens": []}
+    by_steps: dict[int, int] = {}
+    for seq in running:
+        steps = max(1, seq.sampling.max_tokens - len(seq.output_token_ids))
+        blocks = len(seq.block_ids) - seq.block_ids.count(null_block)
+        by_steps[steps] = by_steps.get(steps, 0) + blocks * block_size
+    soonest = sorted(by_steps.items())[:MAX_RELEASES]
+    return {
+        "kv_release_s": [steps * step_s for steps, _ in soonest],
+        "kv_release_tokens": [tokens for _, tokens in soonest],
+    }
+
+
+def engine_load(
+    seqs: Collection[Sequence],
+    scheduler: EngineScheduler,
+    kv: PagedKVCache,
+    prefill_rate: RateMeter,
+    step_clock: StepClock,
+) -> dict[str, Any]:
+    """The engine's fields of its load report (`LoadReport`), from every request it has (`seqs`)."""
+    queued = [s for s in seqs if s.status is not SeqStatus.RUNNING]
+    bs = scheduler.block_size
+    return {
+        "num_running": len(scheduler.running),
+        "num_waiting": len(queued),
+        "unfinished_tokens": sum(s.num_tokens for s in seqs),
+        "free_kv_blocks": kv.num_free_blocks,
+        "total_kv_blocks": kv.num_blocks,
+        # KV the queued requests will need (their tokens, less a routed chunk's placeholder blocks)
+        "waiting_kv_tokens": sum(max(0, s.num_tokens - bs * len(s.block_ids)) for s in queued),
+        "rates": {"prefill_tokens_per_s": prefill_rate.value},
+        **release_schedule(
+            scheduler.running, block_size=bs, null_block=kv.null_block_or_none, step_s=step_clock.step_s
+        ),
+    }

@@ -1,0 +1,112 @@
+"""The release schedule of an engine's load report, on the real engine core and the tiny model: when the
+running requests give their KV back (soonest first, at the answers' upper bounds in timed steps), which the
+router prices a wait for memory with (`memory_wait_s`); and the schedule's rules on hand-made sequences."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from gpu.runner import ModelRunner
+from services.engine.config import EngineConfig
+from services.engine.core import EngineCore
+from services.engine.load_state import MAX_RELEASES, StepClock, release_schedule
+from shared.hashing import block_hashes
+from shared.protocol import GenerateTask, LoadReport, RequestPlan, SamplingParams, TokenBatch
+from shared.protocol.codec import decode, encode
+from shared.protocol.tasks import KvPlan
+
+BLOCK = 16
+PROMPT = [(7 * j) % 150 + 3 for j in range(3 * BLOCK + 5)]
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelRunner]:
+    runner = ModelRunner.load(
+        "tiny", cache_dir=str(tmp_path_factory.mktemp("models")), num_kv_blocks=64, block_size=BLOCK
+    )
+    yield runner
+    runner.close()
+
+
+def task(runner: ModelRunner, request_id: str, max_tokens: int) -> GenerateTask:
+    plan = RequestPlan(
+        request_id=request_id,
+        router_id="router-0",
+        prompt_token_ids=PROMPT,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        deadline_unix_s=time.time() + 60,
+        kv=KvPlan(block_hashes=block_hashes(PROMPT, BLOCK, runner.fingerprint)),
+    )
+    return GenerateTask(plan=plan)
+
+
+async def test_a_decoding_engine_reports_when_its_requests_give_kv_back(runner: ModelRunner) -> None:
+    tokens: dict[str, int] = {}
+    changed = asyncio.Event()
+
+    async def publish(router_id: str, batch: TokenBatch) -> None:
+        for delta in batch.deltas:
+            tokens[delta.request_id] = tokens.get(delta.request_id, 0) + len(delta.token_ids)
+        changed.set()
+
+    async def until(condition: Any) -> None:
+        while not condition():
+            changed.clear()
+            await asyncio.wait_for(changed.wait(), 30)
+
+    core = EngineCore(EngineConfig(model="tiny", max_num_seqs=8), runner, "engine-t", publish)
+    assert core.load()["kv_release_s"] == []  # no step timed yet: nothing known
+    loop = asyncio.create_task(core.run())
+    try:
+        for request_id, max_tokens in (("long", 200), ("short", 60)):
+            assert core.submit(task(runner, request_id, max_tokens)).accepted
+        await until(lambda: tokens.get("long", 0) >= 5 and tokens.get("short", 0) >= 5)
+        load = core.load()  # between two steps: the loop awaits the model
+        step_s = core.step_clock.step_s
+        assert step_s > 0
+        done = {s.request_id: len(s.output_token_ids) for s in core.seqs.values()}
+        blocks = {s.request_id: len(s.block_ids) for s in core.seqs.values()}
+        assert load["kv_release_s"] == pytest.approx(
+            [(60 - done["short"]) * step_s, (200 - done["long"]) * step_s]
+        )
+        assert load["kv_release_tokens"] == [blocks["short"] * BLOCK, blocks["long"] * BLOCK]
+        report = LoadReport(
+            service_id="engine-t", role="colocated", node=0, seq=1, sent_at=time.time(), **load
+        )
+        assert decode(encode(report), LoadReport) == report  # what the engine sends passes admission
+        await until(lambda: "short" not in core.seqs)
+        assert len(core.load()["kv_release_tokens"]) == 1  # the finished request gave its KV back
+    finally:
+        loop.cancel()
+        await core.close()
+
+
+def seq(max_tokens: int, generated: int, block_ids: list[int]) -> Any:
+    """What `release_schedule` reads of a sequence."""
+    return SimpleNamespace(
+        sampling=SamplingParams(max_tokens=max_tokens), output_token_ids=[0] * generated, block_ids=block_ids
+    )
+
+
+def test_the_schedule_groups_by_steps_left_skips_placeholders_and_keeps_the_soonest() -> None:
+    running = [seq(10, 4, [1, 2]), seq(8, 2, [3]), seq(5, 1, [-7, -7, 4])]  # -7: a routed chunk's placeholder
+    schedule = release_schedule(running, block_size=16, null_block=-7, step_s=0.01)
+    assert schedule["kv_release_s"] == pytest.approx([0.04, 0.06])  # 4 steps left; 6 steps left (two)
+    assert schedule["kv_release_tokens"] == [16, 48]
+    past = [seq(3, 3, [1])]  # at its limit (its last token pending): one step
+    assert release_schedule(past, block_size=16, null_block=-1, step_s=0.01)["kv_release_s"] == [0.01]
+    many = [seq(100 + i, 0, [i]) for i in range(MAX_RELEASES + 5)]
+    assert (
+        len(release_schedule(many, block_size=16, null_block=-1, step_s=0.01)["kv_release_s"]) == MAX_RELEASES
+    )
+    assert release_schedule(running, block_size=16, null_block=-7, step_s=0.0)["kv_release_s"] == []
+    clock = StepClock(weight=0.5)
+    for seconds in (0.02, 0.04, -1.0, 0.0):
+        clock.add(seconds)
+    assert clock.step_s == pytest.approx(0.03)
