@@ -58,6 +58,17 @@ def check_prompt(
         )
 
 
+def check_pinned(plan: RequestPlan, *, block_size: int, num_kv_blocks: int, pinned_blocks: int) -> None:
+    """The prompt fits beside the blocks the engine keeps pinned (a holder's chunks, which requests do not
+    free): else the engine could never schedule it, and it is refused as overloaded, so the router sends it
+    to another engine instead of leaving it queued here until its deadline."""
+    need = blocks_for(len(plan.prompt_token_ids) + 1, block_size)
+    if pinned_blocks and need > num_kv_blocks - pinned_blocks:
+        raise OverloadedError(
+            f"prompt needs {need} KV blocks; {pinned_blocks} of the {num_kv_blocks} hold pinned chunks"
+        )
+
+
 def check_kv_plan(plan: RequestPlan, *, block_size: int, seed: int) -> None:
     """The plan's hashes and hit count fit this prompt and this engine's KV format."""
     kv, prompt = plan.kv, plan.prompt_token_ids

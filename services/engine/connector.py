@@ -114,6 +114,11 @@ class KvConnector(abc.ABC):
     def stats(self) -> dict[str, float]:
         return {}
 
+    def pinned_blocks(self) -> int:
+        """Cache blocks this connector keeps out of the requests' reach (a holder's chunks): admission
+        refuses a request that would not fit beside them, so another engine takes it."""
+        return 0
+
     def route_capability(self) -> RouteCapability | None:
         """What the load report says of move-the-query's route protocol (None: this engine does not speak
         it)."""

@@ -17,7 +17,7 @@ from typing import Any
 from gpu.grammar import GrammarCompiler
 from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq
 from services.engine import choices, metrics, tracing
-from services.engine.admission import check_kv_plan, check_prompt, check_room
+from services.engine.admission import check_kv_plan, check_pinned, check_prompt, check_room
 from services.engine.config import EngineConfig
 from services.engine.connector import KvConnector, NullConnector
 from services.engine.load_state import StepClock, engine_load
@@ -103,6 +103,9 @@ class EngineCore:
         room = self.config.max_waiting + self.config.max_num_seqs - len(self.seqs)
         num_choices = check_room(plan, self.seqs, room=room, connector=self.connector)  # choices.py
         spec, block_size = self.runner.spec, self.runner.block_size
+        # first: a prompt too long for the cache beside a holder's pinned chunks fits another engine's
+        check_pinned(plan, block_size=block_size, num_kv_blocks=self.runner.kv.num_blocks,
+                     pinned_blocks=self.connector.pinned_blocks())  # fmt: skip
         check_prompt(plan, max_model_len=spec.max_model_len, vocab_size=spec.vocab_size,
                      block_size=block_size, num_kv_blocks=self.runner.kv.num_blocks)  # fmt: skip
         check_kv_plan(plan, block_size=block_size, seed=self._seed)

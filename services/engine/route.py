@@ -271,6 +271,9 @@ class RouteConnector(KvConnector):
     def stats(self) -> dict[str, float]:
         return self.inner.stats()
 
+    def pinned_blocks(self) -> int:
+        return self.held.num_blocks if self.held is not None else 0
+
     def route_capability(self) -> RouteCapability:
         holder = self.holder.report() if self.holder is not None else {}
         return route_capability(self.runner, **holder)

@@ -6,10 +6,10 @@ from collections.abc import Callable
 
 import pytest
 
-from services.engine.admission import check_kv_plan, check_prompt
+from services.engine.admission import check_kv_plan, check_pinned, check_prompt
 from services.engine.sequence import Sequence
 from services.router.kv_plan import KvPlanner
-from shared.errors import ContextLengthExceededError, InvalidRequestError
+from shared.errors import ContextLengthExceededError, InvalidRequestError, OverloadedError
 from shared.hashing import block_hashes, fingerprint_seed
 from shared.protocol import KvFormat, KvPlan, RequestPlan, SamplingParams
 
@@ -68,3 +68,19 @@ def test_prompt_checks() -> None:
         check_prompt(plan([1] * 16, kv), **limits)  # 17 tokens need 5 blocks of 4
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         check_prompt(plan([1, 100], kv), **limits)
+
+
+def test_a_prompt_that_cannot_fit_beside_pinned_chunks_is_refused_as_overloaded() -> None:
+    """A holder whose cache is mostly a pinned chunk (which no request frees) must not queue a request that
+    can never be scheduled there: it refuses it as overloaded, which the router takes to another engine (a
+    context-length error would fail the request everywhere; the engine checks this first). Found in the
+    memory-bound fan-in: sub-agents dispatched before the index knew the chunk went to the idle holder and
+    waited there until their deadline."""
+    prompt = list(range(10, 27))  # 17 tokens + 1: 5 blocks of 4
+    kv = KvPlan(block_hashes=block_hashes(prompt, 4, FORMAT.fingerprint))
+    check_pinned(plan(prompt, kv), block_size=4, num_kv_blocks=8, pinned_blocks=0)
+    check_pinned(plan(prompt, kv), block_size=4, num_kv_blocks=8, pinned_blocks=3)  # 5 fit beside 3
+    with pytest.raises(OverloadedError, match="4 of the 8 hold pinned chunks"):
+        check_pinned(plan(prompt, kv), block_size=4, num_kv_blocks=8, pinned_blocks=4)
+    with pytest.raises(OverloadedError):  # longer than the whole cache: still another engine's to take
+        check_pinned(plan(prompt, kv), block_size=4, num_kv_blocks=4, pinned_blocks=1)
