@@ -22,6 +22,7 @@ from services.router.streams import StreamTable
 from shared import telemetry
 from shared.bus import Bus
 from shared.errors import (
+    ContextLengthExceededError,
     DeadlineExceededError,
     KvpathError,
     NoEngineAvailableError,
@@ -34,6 +35,8 @@ from shared.protocol import Abort, GenerateTask, RequestPlan, TaskAck, TokenBatc
 log = logging.getLogger(__name__)
 
 MAX_DISPATCH_ATTEMPTS = 3
+# refusals another engine may not share (the rest are the request's own fault)
+RETRY_ELSEWHERE = (OverloadedError, ServiceUnavailableError, ContextLengthExceededError)
 ENGINE_LOCAL_TIERS = ("hbm", "dram")  # KV locations that belong to one engine (`<tier>:<engine id>`)
 # how early an event-loop timer may fire (uvloop times on libuv's cached millisecond clock): an ack wait cut
 # to the request's deadline can end just before the clock says the deadline passed
@@ -52,9 +55,10 @@ def local_blocks(locality: Mapping[str, int], engine_id: str) -> int:
 
 
 def undispatched(error: KvpathError | None, deadline: float, engines: str) -> KvpathError:
-    """The error for a request no engine took, `error` being the last refusal: an overload stays a 429; a lost
-    ack at the request's deadline is a 504; anything else is a 503 naming it."""
-    if isinstance(error, OverloadedError):
+    """The error for a request no engine took, `error` being the last refusal: an overload stays a 429 and a
+    prompt no tried engine's cache holds a 400; a lost ack at the request's deadline is a 504; anything else
+    is a 503 naming it."""
+    if isinstance(error, OverloadedError | ContextLengthExceededError):
         return error
     if isinstance(error, DeadlineExceededError) and time.monotonic() >= deadline - TIMER_SLACK_S:
         return DeadlineExceededError("the request's deadline passed while dispatching it")
@@ -182,6 +186,8 @@ class ColocatedDispatch(Dispatch):
                 return engine_id
             self.engines.note_unassigned(engine_id, task.plan.num_prompt_tokens)
             refusal = error_from_code(ack.code or "overloaded", ack.message or "engine refused the task")
-            if not isinstance(refusal, OverloadedError | ServiceUnavailableError):
+            # a context-length refusal is this engine's cache (the router checked the model's context):
+            # an engine with a larger cache may take the prompt
+            if not isinstance(refusal, RETRY_ELSEWHERE):
                 raise refusal  # the request itself is bad: another engine would refuse it too
         raise undispatched(refusal, deadline, "engine")

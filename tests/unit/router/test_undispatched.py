@@ -6,6 +6,7 @@ import time
 
 from services.router.dispatch import TIMER_SLACK_S, undispatched
 from shared.errors import (
+    ContextLengthExceededError,
     DeadlineExceededError,
     NoEngineAvailableError,
     OverloadedError,
@@ -36,3 +37,9 @@ def test_an_overload_stays_a_429_and_no_refusal_is_a_503() -> None:
     assert nobody.message == "no prefill/decode engine is available"
     gone = undispatched(ServiceUnavailableError("no service answers"), time.monotonic() - 1.0, "engine")
     assert isinstance(gone, NoEngineAvailableError)
+
+
+def test_a_prompt_no_tried_engines_cache_holds_stays_a_400() -> None:
+    too_long = ContextLengthExceededError("prompt of 9000 tokens does not fit this engine's KV cache")
+    assert undispatched(too_long, time.monotonic() + 10.0, "engine") is too_long
+    assert too_long.http_status == 400
