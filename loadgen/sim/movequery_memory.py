@@ -43,10 +43,11 @@ class _Admitted:
 
 def _admit_at(admitted: list[_Admitted], capacity: int, not_before: float, tokens: int) -> float:
     """The first time from `not_before` on at which `tokens` fit beside the admitted ones still running."""
-    for t in [not_before, *sorted(a.end_s for a in admitted if a.end_s > not_before)]:
+    ends = sorted(a.end_s for a in admitted if a.end_s > not_before)
+    for t in [not_before, *ends]:
         if capacity - sum(a.tokens for a in admitted if a.end_s > t) >= tokens:
             return t
-    return not_before  # nothing left running: everything fits (a request larger than the cache runs alone)
+    return ends[-1] if ends else not_before  # larger than the whole cache: it runs alone
 
 
 def timed_fanin(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loadgen.sim.movequery import format_movequery, movequery_sweep
+from loadgen.sim.movequery_memory import _admit_at, _Admitted
 
 
 def test_the_papers_tables() -> None:
@@ -47,3 +48,10 @@ def test_memory_bound_fanin_is_timed_with_the_routers_rule() -> None:
     assert (
         fan["burst_busy_holder"]["auto"]["routed"] >= 60
     )  # a burst builds a backlog: copies wait out of turn
+
+
+def test_a_sub_agent_is_admitted_when_what_it_keeps_fits_beside_those_still_running() -> None:
+    running = [_Admitted(0.0, 5.0, 10), _Admitted(0.0, 7.0, 10)]  # (start, end, KV tokens) in a cache of 30
+    assert _admit_at(running, 30, 1.0, 10) == 1.0  # fits now
+    assert _admit_at(running, 30, 1.0, 15) == 5.0  # once the first gave its 10 back
+    assert _admit_at(running, 30, 1.0, 40) == 7.0  # larger than the cache: alone, after both
