@@ -131,12 +131,14 @@ class HeldRouting:
 
     def free_kv_tokens(self, engine_id: str) -> int:
         """The engine's free KV after the work queued on it: the report's free blocks less what the router
-        sent since and what the engine's queued requests will need (`waiting_kv_tokens`)."""
+        sent since and what the engine's queued requests will need (`waiting_kv_tokens`). Negative when that
+        work exceeds the free KV (a backlog, which the cost model reads as such)."""
         state = self.engines.get(engine_id)
         if state is None:
             return 0
-        block_size = self._block_size()
-        return state.snapshot(block_size).free_kv_tokens - state.report.waiting_kv_tokens
+        report = state.report
+        free = report.free_kv_blocks * self._block_size() - state.pending_kv_tokens
+        return free - report.waiting_kv_tokens
 
     def kv_release(self, engine_id: str) -> tuple[tuple[float, int], ...]:
         """When the engine's running requests give KV back (seconds from now, tokens), from its last load

@@ -143,8 +143,9 @@ def test_auto_waits_for_the_requesters_memory_when_that_costs_less_than_a_busy_h
     """A requester with room for one copy of the document but not a second: with an idle holder the
     sub-agent routes; with a holder whose queue holds every exchange 50 ms (4 layers x 32 steps: ~6 s more),
     it fetches if the requester's load report says a running request gives 64 blocks back in 0.2 s (the wait
-    is priced), and routes again if that release is 30 s away or unknown.
-    The report's age counts: the same 0.2 s release in a report sent 0.15 s ago is 0.05 s away."""
+    is priced), and routes again if that release is 30 s away or unknown, or once the router's own
+    dispatches exceed the free KV. The report's age counts: the same 0.2 s release in a report sent 0.15 s
+    ago is 0.05 s away."""
     locality = {"held:e0": 32, "store": 32}
 
     def choice(holder_queue_s: float, release: tuple[list[float], list[int]] | None) -> str:
@@ -160,6 +161,18 @@ def test_auto_waits_for_the_requesters_memory_when_that_costs_less_than_a_busy_h
     assert choice(0.05, ([0.2], [64 * 64])) == "fetch"
     assert choice(0.05, ([30.0], [64 * 64])) == "route"
     assert choice(0.05, None) == "route"
+    # a burst: once the KV the router sent exceeds the free KV (a backlog), copies wait out of turn, even
+    # with the holder busy and a release known
+    engines = table(free_kv_blocks=40, holder_queue_s=0.05, release={"e1": ([0.2], [64 * 64])})
+    routing = HeldRouting(engines, mode="auto", profile=None, fabric="shm")
+    primitives = []
+    for _ in range(3):
+        p = plan(64 * 32 + 300, 32, hits=32)
+        routing.apply(p, "e1", locality)
+        assert p.kv.held is not None
+        primitives.append(p.kv.held.primitive)
+    assert primitives == ["fetch", "fetch", "route"]
+    assert routing.free_kv_tokens("e1") == 40 * 64 - 2 * (2048 + 332) - 332 < 0
     aged = table(free_kv_blocks=40, release={"e1": ([0.2], [64])})
     state = aged.get("e1")
     assert state is not None
