@@ -20,7 +20,7 @@ from services.engine import choices, metrics, tracing
 from services.engine.admission import check_kv_plan, check_pinned, check_prompt, check_room
 from services.engine.config import EngineConfig
 from services.engine.connector import KvConnector, NullConnector
-from services.engine.load_state import StepClock, engine_load
+from services.engine.load_state import engine_load
 from services.engine.outbox import Outgoing, Publish, TokenOutbox
 from services.engine.sampling import banned_token_ids, new_sequence, sampling_options
 from services.engine.scheduler import EngineScheduler, PrefillChunk, StepPlan
@@ -75,7 +75,7 @@ class EngineCore:
         # prompt tokens (loaded + computed) per second of prefill: the unit of the router's tok_e, so
         # DualPath's beta (tokens a PE processes in beta_s) counts whole prompts, as the paper's len_r does
         self.prefill_rate = RateMeter()
-        self.step_clock = StepClock()  # the loop's step period while it decodes (kv_release.py)
+        self.step_rate = RateMeter()  # decoding steps per second of the loop (load_state.py)
         self.outbox = TokenOutbox(engine_id, publish)
         self.grammars = GrammarCompiler(runner.tokenizer)
         self.is_draining = False
@@ -211,7 +211,7 @@ class EngineCore:
             sampled.update(await self._prefill(computed))
         if plan.decode:
             sampled.update(await self._decode(plan.decode))
-            self.step_clock.add(time.perf_counter() - started)  # a decoding step: its prefill chunks too
+            self.step_rate.add(1, time.perf_counter() - started)  # a decoding step: its prefill chunks too
         return sampled
 
     async def _prefill(self, computed: list[PrefillChunk]) -> dict[Sequence, int]:
@@ -383,7 +383,7 @@ class EngineCore:
     def load(self) -> dict[str, Any]:
         """What the engine's load report and health state say of its requests and cache (load_state.py)."""
         return engine_load(
-            self.seqs.values(), self.scheduler, self.runner.kv, self.prefill_rate, self.step_clock
+            self.seqs.values(), self.scheduler, self.runner.kv, self.prefill_rate, self.step_rate
         )
 
 

@@ -4,10 +4,10 @@
 the measured prefill rate, and the release schedule. The router prices a request's wait for this engine's
 memory with the schedule (`memory_wait_s` in `services/policy/movequery.py`: a sub-agent that would keep a
 private copy of a held chunk here either waits for room or routes its query to the holder). A running
-request releases its blocks when it finishes, at the latest after the answer tokens it has left (`max_tokens`
-less those generated), each one step of the engine loop, whose period (`StepClock`, the prefill chunks of
-the same steps included) turns steps into seconds. A routed chunk's positions hold placeholders
-(`kv.null_block`) and release nothing.
+request releases its blocks when it finishes, at the latest after the answer tokens it has left
+(`max_tokens` less those generated), each one step of the engine loop, whose measured rate (a `RateMeter`
+of decoding steps per second, the prefill chunks of the same steps included) turns steps into seconds. A
+routed chunk's positions hold placeholders (`kv.null_block`) and release nothing.
 """
 
 from __future__ import annotations
@@ -18,25 +18,9 @@ from typing import Any
 from gpu.kv_cache import PagedKVCache
 from services.engine.scheduler import EngineScheduler
 from services.engine.sequence import SeqStatus, Sequence
-from services.policy.quota import RATE_WEIGHT, RateMeter
+from services.policy.quota import RateMeter
 
 MAX_RELEASES = 32  # entries a load report carries, soonest first (later ones: the router extrapolates)
-
-
-class StepClock:
-    """Exponentially weighted period of the engine loop's decoding steps (seconds); 0 before the first."""
-
-    __slots__ = ("_weight", "step_s")
-
-    def __init__(self, weight: float = RATE_WEIGHT) -> None:
-        self._weight = weight
-        self.step_s = 0.0
-
-    def add(self, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        w = self._weight
-        self.step_s = seconds if self.step_s == 0 else (1 - w) * self.step_s + w * seconds
 
 
 def release_schedule(
@@ -64,10 +48,11 @@ def engine_load(
     scheduler: EngineScheduler,
     kv: PagedKVCache,
     prefill_rate: RateMeter,
-    step_clock: StepClock,
+    step_rate: RateMeter,
 ) -> dict[str, Any]:
     """The engine's fields of its load report (`LoadReport`), from every request it has (`seqs`)."""
     queued = [s for s in seqs if s.status is not SeqStatus.RUNNING]
+    step_s = 1 / step_rate.value if step_rate.value > 0 else 0.0
     bs = scheduler.block_size
     return {
         "num_running": len(scheduler.running),
@@ -78,7 +63,5 @@ def engine_load(
         # KV the queued requests will need (their tokens, less a routed chunk's placeholder blocks)
         "waiting_kv_tokens": sum(max(0, s.num_tokens - bs * len(s.block_ids)) for s in queued),
         "rates": {"prefill_tokens_per_s": prefill_rate.value},
-        **release_schedule(
-            scheduler.running, block_size=bs, null_block=kv.null_block_or_none, step_s=step_clock.step_s
-        ),
+        **release_schedule(scheduler.running, block_size=bs, null_block=kv.null_block_or_none, step_s=step_s),
     }

@@ -15,7 +15,7 @@ import pytest
 from gpu.runner import ModelRunner
 from services.engine.config import EngineConfig
 from services.engine.core import EngineCore
-from services.engine.load_state import MAX_RELEASES, StepClock, release_schedule
+from services.engine.load_state import MAX_RELEASES, release_schedule
 from shared.hashing import block_hashes
 from shared.protocol import GenerateTask, LoadReport, RequestPlan, SamplingParams, TokenBatch
 from shared.protocol.codec import decode, encode
@@ -68,7 +68,7 @@ async def test_a_decoding_engine_reports_when_its_requests_give_kv_back(runner: 
             assert core.submit(task(runner, request_id, max_tokens)).accepted
         await until(lambda: tokens.get("long", 0) >= 5 and tokens.get("short", 0) >= 5)
         load = core.load()  # between two steps: the loop awaits the model
-        step_s = core.step_clock.step_s
+        step_s = 1 / core.step_rate.value
         assert step_s > 0
         done = {s.request_id: len(s.output_token_ids) for s in core.seqs.values()}
         blocks = {s.request_id: len(s.block_ids) for s in core.seqs.values()}
@@ -106,7 +106,3 @@ def test_the_schedule_groups_by_steps_left_skips_placeholders_and_keeps_the_soon
         len(release_schedule(many, block_size=16, null_block=-1, step_s=0.01)["kv_release_s"]) == MAX_RELEASES
     )
     assert release_schedule(running, block_size=16, null_block=-7, step_s=0.0)["kv_release_s"] == []
-    clock = StepClock(weight=0.5)
-    for seconds in (0.02, 0.04, -1.0, 0.0):
-        clock.add(seconds)
-    assert clock.step_s == pytest.approx(0.03)
