@@ -8,7 +8,9 @@ cost model (`request_costs`: the routed exchanges, or the fetch or recompute and
 chunk) plus `step_s` per answer token for the rest of the model. `auto` decides each sub-agent in arrival
 order with the router's rule (`choose`): the requester's free KV less what the sub-agents decided before
 it keep, and when each of those gives its KV back (the release schedule a requester's load report
-carries: here exact), so a copy of the chunk that does not fit is priced with its wait for memory.
+carries: here exact), so a copy of the chunk that does not fit is priced with its wait for memory; and
+the sub-agents that arrived at the same instant and are not decided yet (`pending_requests`), so a burst
+is priced at the waves it would queue in (`burst_wait_s`).
 
 Per primitive: how many run at once, the median TTFT (admission + the primitive's time to the first
 token), and when the last one finishes.
@@ -71,7 +73,11 @@ def timed_fanin(
         for k in range(n):
             now = k * gap_s
             if mode == "auto":
-                primitive = _auto(profile, fabric, req, admitted, capacity, now)
+                pending = sum(1 for j in range(k + 1, n) if j * gap_s <= now)  # arrived with it, undecided
+                sized = dataclasses.replace(
+                    req, pending_requests=pending, kv_capacity_tokens=capacity, decode_step_s=step_s
+                )
+                primitive = _auto(profile, fabric, sized, admitted, capacity, now)
             else:
                 primitive = Primitive(mode)
             tokens = resident_kv_tokens(primitive, req)

@@ -16,7 +16,9 @@ measured queue are known. Memory: fetch and local keep a private copy of the chu
 own tokens; a primitive whose KV (for a copy: with room for one more, `memory_need_tokens`) does not fit now
 pays the wait until the requester's running requests have given back enough (`memory_wait_s`, from the
 release times its load report states), so in the memory-bound fan-in a sub-agent routes when waiting for
-room for a copy costs more than routing (a busy holder), and waits for the room when that costs less.
+room for a copy costs more than routing (a busy holder), and waits for the room when that costs less. A
+sub-agent of a burst (others sharing the chunk arrived with it, undecided: `pending_requests`) is priced at
+the burst's mean wait were all of it to take the same primitive (`burst_wait_s`).
 
 Who calls it: the router (`services/router/route_choice.py`) at dispatch, the engine's route sessions
 between steps, the simulator (`loadgen/sim/movequery*.py`) with the paper's fabrics. Constants come from a
@@ -26,7 +28,7 @@ between steps, the simulator (`loadgen/sim/movequery*.py`) with the paper's fabr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from shared.errors import ConfigError
@@ -159,6 +161,12 @@ class RouteRequest:
     # (each at its answer's upper bound, from the requester's load report); empty: not known
     kv_release: tuple[tuple[float, int], ...] = ()
     holder_queue_s: float = 0.0  # how long the holder's queue holds an exchange now (measured)
+    # requests sharing the chunk that reached the router with this one and are not decided yet (a burst of
+    # sub-agents), counted for this requester (None: not known, so a backlog keeps copies out); its whole
+    # cache, and its decode step besides the chunk's attention (how long a request stays in memory)
+    pending_requests: int | None = None
+    kv_capacity_tokens: int = 0
+    decode_step_s: float = 0.0
     can_route: bool = True  # a live holder and a requester that speaks the protocol
     can_fetch: bool = True  # the chunk is in the store
 
@@ -197,7 +205,8 @@ def request_costs(
         Primitive.FETCH: first[Primitive.FETCH] + steps * attend_step,
         Primitive.LOCAL: first[Primitive.LOCAL] + steps * attend_step,
     }
-    for p, wait in _memory_waits_s(req).items():
+    stays = {p: total[p] + req.decode_steps * req.decode_step_s for p in PRIMITIVES}
+    for p, wait in _memory_waits_s(req, stays).items():
         first[p] += wait
         total[p] += wait
     infeasible = set()
@@ -210,16 +219,21 @@ def request_costs(
     return {str(k): v for k, v in total.items()}, {str(k): v for k, v in first.items()}
 
 
-def _memory_waits_s(req: RouteRequest) -> dict[Primitive, float]:
-    """Each primitive's wait for the requester's memory (`memory_wait_s`). Without a holder to route to the
-    wait does not decide (fetch and local keep the same KV, and the engine queues either); when not even
-    the request's own tokens have a known release time, route, which needs the least, is taken to go first."""
-    waits = {p: memory_wait_s(req, memory_need_tokens(p, req)) for p in PRIMITIVES}
+def _memory_waits_s(req: RouteRequest, stays_s: dict[Primitive, float]) -> dict[Primitive, float]:
+    """Each primitive's wait for the requester's memory: this request's own (`memory_wait_s`), or with others
+    of its burst still undecided, the burst's mean (`burst_wait_s`). Without a holder to route to the wait
+    does not decide (fetch and local keep the same KV, and the engine queues either); when not even the
+    request's own tokens have a known release time, route, which needs the least, is taken to go first."""
+    if req.pending_requests:
+        waits = {p: burst_wait_s(p, req, stays_s[p]) for p in PRIMITIVES}
+    else:
+        waits = {p: memory_wait_s(req, memory_need_tokens(p, req)) for p in PRIMITIVES}
     if not req.can_route:
         return dict.fromkeys(PRIMITIVES, 0.0)
     if math.isinf(waits[Primitive.ROUTE]):
         return {p: 0.0 if p is Primitive.ROUTE else math.inf for p in PRIMITIVES}
-    if req.free_kv_tokens is not None and req.free_kv_tokens < 0:  # a backlog: copies wait out of turn
+    backlog = req.free_kv_tokens is not None and req.free_kv_tokens < 0
+    if backlog and not req.pending_requests:  # no burst to weigh: a copy would wait out of turn
         waits[Primitive.FETCH] = waits[Primitive.LOCAL] = math.inf
     return waits
 
@@ -240,6 +254,32 @@ def memory_wait_s(req: RouteRequest, need_tokens: int) -> float:
     if released <= 0 or last_s <= 0:
         return math.inf
     return last_s * short / released
+
+
+def burst_wait_s(primitive: Primitive | str, req: RouteRequest, stay_s: float) -> float:
+    """The mean wait for the requester's memory over a burst, this request and the `pending_requests` that
+    arrived with it, were each of them to take `primitive` and keep its KV (`resident_kv_tokens`) for
+    `stay_s`: as many as the free KV holds start now; the next ones once memory frees (the first release
+    that covers one, `memory_wait_s`, or the burst's own first finish), then as many as the whole cache
+    holds every `stay_s`. A private copy of the chunk keeps several times a routed request's KV, so a
+    burst larger than the cache's copies prices copies at the waves they queue in, and a burst that fits
+    (or turns over fast: short answers) keeps them."""
+    n = (req.pending_requests or 0) + 1
+    need = resident_kv_tokens(primitive, req)
+    free = req.free_kv_tokens
+    if free is None:
+        return 0.0
+    now = max(0, free) // need
+    if now >= n:
+        return 0.0
+    per_wave = max(1, (req.kv_capacity_tokens or max(free, need)) // need)
+    first_s = memory_wait_s(replace(req, free_kv_tokens=free - now * need), need)  # running ones' releases
+    if now > 0:
+        first_s = min(first_s, stay_s)  # or the burst's own first finish
+    if math.isinf(first_s):
+        return math.inf
+    waits = sum(first_s + (j - now) // per_wave * stay_s for j in range(now, n))
+    return waits / n
 
 
 def resident_kv_tokens(primitive: Primitive | str, req: RouteRequest) -> int:

@@ -12,6 +12,7 @@ from services.policy.movequery import (
     Fabric,
     Primitive,
     RouteRequest,
+    burst_wait_s,
     byte_break_even_rows,
     can_take_chunk,
     choose,
@@ -153,6 +154,34 @@ def test_memory_bound_requester_waits_for_room_or_routes_whichever_costs_less() 
     # without a holder nothing avoids memory: time decides again (fetch), the engine queues it
     unrouted = dataclasses.replace(queued, kv_release=(), can_route=False)
     assert choose(profile, ibgda, unrouted).primitive is Primitive.FETCH
+
+
+def test_a_burst_is_priced_at_the_waves_it_would_queue_in() -> None:
+    """A sub-agent with 9 others of its burst still undecided, into a cache of 7,000 KV tokens (room for 2
+    copies of 2,512 or 15 routed sub-agents of 464): were all 10 to take a copy, 2 start now and the rest in
+    waves of 2, one stay apart (the first wave once the burst's own first copies end, since nothing running
+    releases sooner); routed, all 10 fit at once. The burst's mean wait enters the price, so the burst routes
+    where each sub-agent alone would have fetched; a burst that fits (or one alone) waits for nothing."""
+    profile, ibgda = paper_profile(with_compute=True), PAPER_FABRICS["ibgda"]
+    alone = RouteRequest(
+        chunk_tokens=2048, new_tokens=64, decode_steps=400, free_kv_tokens=7000, kv_capacity_tokens=7000,
+        decode_step_s=0.02,
+    )  # fmt: skip
+    burst = dataclasses.replace(alone, pending_requests=9)
+    # waits 0, 0, then 2 each at 1, 2, 3, 4 stays: (2 + 4 + 6 + 8) x stay / 10
+    assert burst_wait_s("fetch", burst, 8.0) == pytest.approx(20 * 8.0 / 10)
+    assert burst_wait_s("route", burst, 9.0) == 0.0
+    # a running request that frees a copy's room at 1 s starts the first wave then, not after a stay
+    released = dataclasses.replace(burst, free_kv_tokens=5100, kv_release=((1.0, 3000),))
+    assert burst_wait_s("fetch", released, 8.0) == pytest.approx((1 + 1 + 9 + 9 + 17 + 17 + 25 + 25) / 10)
+    assert burst_wait_s("fetch", dataclasses.replace(burst, pending_requests=1), 8.0) == 0.0
+    assert choose(profile, ibgda, alone).primitive is Primitive.FETCH
+    assert choose(profile, ibgda, burst).primitive is Primitive.ROUTE
+    # a backlog with the burst in view: copies are priced at their waves, not ruled out
+    behind = dataclasses.replace(burst, free_kv_tokens=-100, kv_release=((0.5, 7100),))
+    assert math.isfinite(choose(profile, ibgda, behind).costs_s["fetch"])
+    unseen = dataclasses.replace(behind, pending_requests=None)  # a caller that cannot see bursts
+    assert math.isinf(choose(profile, ibgda, unseen).costs_s["fetch"])
 
 
 def test_keep_routing_between_steps() -> None:
