@@ -63,5 +63,6 @@ def engine_load(
         # KV the queued requests will need (their tokens, less a routed chunk's placeholder blocks)
         "waiting_kv_tokens": sum(max(0, s.num_tokens - bs * len(s.block_ids)) for s in queued),
         "rates": {"prefill_tokens_per_s": prefill_rate.value},
+        "decode_step_s": step_s,
         **release_schedule(scheduler.running, block_size=bs, null_block=kv.null_block_or_none, step_s=step_s),
     }

@@ -299,7 +299,12 @@ def memory_need_tokens(primitive: Primitive | str, req: RouteRequest) -> int:
 
 
 def can_take_chunk(req: RouteRequest) -> bool:
-    """Whether fetch or local (a private copy of the chunk) needs no wait for the requester's memory."""
+    """Whether fetch or local (a private copy of the chunk) needs no wait for the requester's memory; in view
+    of a burst (`pending_requests`), only while the whole burst's copies fit."""
+    if req.pending_requests and req.free_kv_tokens is not None:
+        copy = resident_kv_tokens(Primitive.FETCH, req)
+        if max(0, req.free_kv_tokens) // copy <= req.pending_requests:
+            return False
     return memory_wait_s(req, memory_need_tokens(Primitive.FETCH, req)) == 0.0
 
 

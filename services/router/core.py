@@ -79,8 +79,10 @@ class RouterCore:
         self.inflight = 0
         self.is_idle = asyncio.Event()
         self.is_idle.set()
-        self.kv_planner = KvPlanner(bus, use_index=config.use_kv_cache, timeout_s=config.index_timeout_s)
         self.dispatch = build_dispatch(config, self.engines, bus, router_id)
+        self.kv_planner = KvPlanner(bus, use_index=config.use_kv_cache, timeout_s=config.index_timeout_s)
+        # with move the query on, the planner counts a burst's undecided requests for its routing
+        self.kv_planner.undecided = getattr(getattr(self.dispatch, "held_routing", None), "undecided", None)
 
     # ------------------------------------------------------------------------------------ bus inputs
 
@@ -238,6 +240,7 @@ class RouterCore:
             again = None if group is not None else Redispatch.of(plan, locality)
             usage.timings.update(await self.dispatch.dispatch(plan, deadline, self.streams, locality))
         except BaseException as exc:
+            self.kv_planner.decided(request_id)
             if group is not None:
                 cancelled = EngineFailedError("the request ended before its choices were dispatched")
                 group.resolve(exc if isinstance(exc, Exception) else cancelled)

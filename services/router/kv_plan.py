@@ -4,6 +4,7 @@ leading blocks are stored (asked of the index)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -29,18 +30,59 @@ class PlannedKv:
     blocks_by_location: Mapping[str, int] = field(default_factory=dict)
 
 
+class Undecided:
+    """Requests whose KV plan is being made and whose engine (and move-the-query primitive) is not chosen yet,
+    with their block hashes: the sub-agents of a burst that reached the router together, which the cost
+    model prices as one (`services/policy/movequery.py`, `burst_wait_s`). A request leaves when its plan is
+    applied (`discard`); one that failed before that is dropped after `max_age_s` (its lookup's deadline
+    has long passed, so it is no longer being decided)."""
+
+    def __init__(self, max_age_s: float) -> None:
+        self.max_age_s = max_age_s
+        self._hashes: dict[str, tuple[float, list[int]]] = {}
+
+    def add(self, request_id: str, hashes: list[int]) -> None:
+        if hashes:
+            self._hashes[request_id] = (time.monotonic(), hashes)
+
+    def discard(self, request_id: str) -> None:
+        self._hashes.pop(request_id, None)
+
+    def sharing(self, request_id: str, hashes: list[int], num_blocks: int) -> int:
+        """How many other undecided requests share the first `num_blocks` blocks of `hashes` (a chain hash
+        names its whole prefix, so the last of them decides)."""
+        if num_blocks <= 0 or len(hashes) < num_blocks:
+            return 0
+        oldest = time.monotonic() - self.max_age_s
+        for stale in [r for r, (at, _) in self._hashes.items() if at < oldest]:
+            del self._hashes[stale]
+        key = hashes[num_blocks - 1]
+        return sum(
+            1
+            for other, (_, h) in self._hashes.items()
+            if other != request_id and len(h) >= num_blocks and h[num_blocks - 1] == key
+        )
+
+
 class KvPlanner:
     """Hashes a prompt's full blocks with the engines' KV format and asks the index for the longest stored
     prefix among the first `max_hit_blocks` of them.
 
     The hashes of every full block travel to the engines, which persist the blocks under them; with
     `use_index` off (no KV reuse) nothing is looked up. An index that is down or slow is a miss (the request
-    recomputes), counted by outcome.
+    recomputes), counted by outcome. `undecided`: where requests wait for their engine while planned (the
+    router's move-the-query routing counts a burst there), None when nothing counts them.
     """
 
     def __init__(self, bus: Bus, *, use_index: bool, timeout_s: float) -> None:
         self.index = IndexClient(bus) if use_index else None
         self.timeout_s = timeout_s
+        self.undecided: Undecided | None = None
+
+    def decided(self, request_id: str) -> None:
+        """The request no longer waits for its engine (dispatched, or failed before)."""
+        if self.undecided is not None:
+            self.undecided.discard(request_id)
 
     async def plan(
         self, token_ids: list[int], kv_format: KvFormat, request_id: str, salt: int = 0
@@ -50,6 +92,8 @@ class KvPlanner:
         usable = hashes[: max_hit_blocks(len(token_ids), kv_format.block_size)]
         if self.index is None or not usable:
             return PlannedKv(KvPlan(block_hashes=hashes, salt=salt))
+        if self.undecided is not None:  # from before the lookup: a burst's requests wait on it together
+            self.undecided.add(request_id, usable)
         result = await self._lookup(usable, request_id)
         hits = min(result.num_hit_blocks, len(usable))
         return PlannedKv(KvPlan(block_hashes=hashes, num_hit_blocks=hits, salt=salt), result.per_location)

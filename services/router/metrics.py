@@ -67,6 +67,11 @@ MOVEQUERY_CHOICES = Counter(
     "Requests whose prompt starts with a chunk another engine holds, by primitive (route, fetch, local)",
     ["primitive"],
 )
+MOVEQUERY_BURST = Histogram(
+    "kvpath_router_movequery_burst_requests",
+    "Move the query: other requests sharing the held chunk still undecided when one was priced (a burst)",
+    buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
 PLANS = Counter(
     "kvpath_router_plan_total",
     "Requests by the plan `--policy auto` chose (where it prefilled / where its hit KV came from)",

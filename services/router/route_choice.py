@@ -24,6 +24,7 @@ from pathlib import Path
 
 from services.policy.movequery import (
     CostProfile,
+    Fabric,
     ModelShape,
     Primitive,
     RouteRequest,
@@ -33,10 +34,12 @@ from services.policy.movequery import (
     local_attention_s,
     local_s,
     resident_kv_tokens,
+    route_exchange_s,
 )
 from services.policy.movequery_profile import fallback_profile, profile_from_dict
 from services.router import metrics
 from services.router.engines import EngineTable
+from services.router.kv_plan import Undecided
 from shared.blocks import max_hit_blocks
 from shared.errors import ConfigError, NoEngineAvailableError
 from shared.protocol import RouteCapability
@@ -47,6 +50,8 @@ log = logging.getLogger(__name__)
 
 MODES = ("", "auto", "route", "fetch", "local")
 MAX_NAMES = 4096  # (tenant, chunk name) -> the engine a naming request went to, most recent kept
+# a request planned this long ago and still undecided failed before its dispatch (lookups time out sooner)
+UNDECIDED_MAX_AGE_S = 5.0
 
 
 def load_profile(path: str) -> CostProfile | None:
@@ -70,6 +75,7 @@ class HeldRouting:
         self.profile = profile
         self.fabric = fabric
         self.names: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self.undecided = Undecided(UNDECIDED_MAX_AGE_S)  # the router's KvPlanner adds, `apply` removes
 
     def holders(self, locality: Mapping[str, int]) -> dict[str, int]:
         """Live engines holding a leading chunk of this prompt -> how many blocks of it."""
@@ -160,6 +166,7 @@ class HeldRouting:
         count the KV the choice keeps there, so the requests dispatched before its next report see it.
         `chosen`: the primitive the dispatch's policy already chose with the engine (`--policy auto` prices
         route, fetch and local in its own plans), else this mode's rule decides."""
+        self.undecided.discard(plan.request_id)
         plan.kv.held = None
         if plan.pin is not None:  # the chunk's source: computed or loaded here, then kept under the name
             key = (plan.pin.tenant, plan.pin.name)
@@ -183,16 +190,24 @@ class HeldRouting:
             return
         num_store = min(n, locality.get("store", 0))
         chunk = n * block_size
+        profile = self.profile or fallback_profile(shape)
+        delay_s = measured_delay_s(profile, profile.fabric(self.fabric), requester.report.route, chunk)
         request = RouteRequest(
             chunk_tokens=chunk,
             new_tokens=plan.num_prompt_tokens - chunk,
             decode_steps=plan.sampling.max_tokens,
             free_kv_tokens=self.free_kv_tokens(engine_id),
             kv_release=self.kv_release(engine_id),
-            holder_queue_s=route.holder_queue_s,
+            holder_queue_s=max(route.holder_queue_s, delay_s),
+            kv_capacity_tokens=requester.report.total_kv_blocks * block_size,
+            # its step besides the route exchanges (the model prices those), which a routed batch's includes
+            decode_step_s=max(0.0, requester.report.decode_step_s - requester.report.route.route_step_s),
             can_fetch=num_store >= n,
         )
-        primitive = self._primitive(self.profile or fallback_profile(shape), request, chosen)
+        # the burst is counted, not priced yet: this router does not know when the KV of its own choices
+        # earlier in the burst comes back, so copies past the first few would be priced as never admitted
+        metrics.MOVEQUERY_BURST.observe(self.undecided.sharing(plan.request_id, plan.kv.block_hashes, n))
+        primitive = self._primitive(profile, request, chosen)
         plan.kv.held = self._held(plan, holder_id, n, num_store, primitive, shape, can_take_chunk(request))
         self.engines.note_kv_reserved(engine_id, resident_kv_tokens(primitive, request))
         metrics.MOVEQUERY_CHOICES.labels(str(primitive)).inc()
@@ -249,6 +264,19 @@ class HeldRouting:
             take_s=take,
             local_step_s=shape.num_layers * local_attention_s(profile, shape.rows_per_token, chunk),
         )
+
+
+def measured_delay_s(profile: CostProfile, fabric: Fabric, requester: RouteCapability, chunk: int) -> float:
+    """What the requester's routed decoding steps measured (`route_step_s`, its recent ones) cost per exchange
+    beyond the model's price of one, 0 when none was measured lately: the round trip's real cost on this
+    host under its load (on a few shared cores a round trip waits for the holder's and the requester's
+    turns on a core, which a calibration in one idle process does not see). The router prices it as a
+    queue on every exchange, as it does the holder's own."""
+    if requester.route_step_s <= 0:
+        return 0.0
+    shape = profile.shape
+    model_s = route_exchange_s(profile, fabric, shape.rows_per_token, chunk)
+    return max(0.0, requester.route_step_s / shape.num_layers - model_s)
 
 
 def model_shape(route: RouteCapability) -> ModelShape:

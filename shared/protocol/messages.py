@@ -66,6 +66,7 @@ class RouteCapability(Message):
         "num_holder_sessions": (0, None),
         "num_held_blocks": (0, None),
         "hold_budget_blocks": (0, None),
+        "route_step_s": (0.0, 3600.0),
     }
     num_layers: int
     rows_per_token: int  # query rows per token (its query heads)
@@ -77,6 +78,9 @@ class RouteCapability(Message):
     num_holder_sessions: int = 0
     num_held_blocks: int = 0
     hold_budget_blocks: int = 0  # blocks it may hold (0: not a holder: keeps no chunks, takes no names)
+    # requesters: the route exchanges of one decoding step of a routed request, measured (a moving average
+    # of the recent ones; 0: none lately), which prices a route under this host's real load
+    route_step_s: float = 0.0
 
 
 @message
@@ -110,6 +114,7 @@ class LoadReport(Message):
         "max_num_batched_tokens": (0, None),
         "kv_release_s": (0.0, None),
         "kv_release_tokens": (0, None),
+        "decode_step_s": (0.0, 3600.0),
     }
     MAX_RELEASES = 64
     service_id: str
@@ -139,6 +144,7 @@ class LoadReport(Message):
     # sent_at; the answers' upper bounds) kv_release_tokens[i] more tokens (services/engine/load_state.py)
     kv_release_s: list[float] = field(default_factory=list)
     kv_release_tokens: list[int] = field(default_factory=list)
+    decode_step_s: float = 0.0  # engines: the period of their decoding step, measured (0: not timed yet)
 
     def check(self) -> None:
         if len(self.kv_release_s) != len(self.kv_release_tokens):

@@ -233,6 +233,8 @@ ROUTE = RouteCapability(
         (_report(kv_release_s=[0.1], kv_release_tokens=[-64]), "kv_release_tokens"),
         (_report(kv_release_s=[float("nan")], kv_release_tokens=[64]), "kv_release_s"),
         (_report(kv_release_s=[0.1] * 65, kv_release_tokens=[1] * 65), "more than 64"),
+        (_report(decode_step_s=-0.01), "decode_step_s"),
+        (_report(decode_step_s=float("nan")), "decode_step_s"),
     ],
 )
 def test_load_reports_typed_fields_are_checked_on_receipt(report: LoadReport, fragment: str) -> None:
@@ -240,6 +242,10 @@ def test_load_reports_typed_fields_are_checked_on_receipt(report: LoadReport, fr
         decode(encode(report), LoadReport)
     assert fragment in err.value.message
     good = _report(
-        waiting_kv_tokens=3000, route=ROUTE, kv_release_s=[0.05, 0.05, 1.5], kv_release_tokens=[64, 0, 1024]
+        waiting_kv_tokens=3000,
+        route=ROUTE,
+        kv_release_s=[0.05, 0.05, 1.5],
+        kv_release_tokens=[64, 0, 1024],
+        decode_step_s=0.02,
     )
     assert decode(encode(good), LoadReport) == good

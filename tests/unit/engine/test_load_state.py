@@ -61,7 +61,7 @@ async def test_a_decoding_engine_reports_when_its_requests_give_kv_back(runner: 
             await asyncio.wait_for(changed.wait(), 30)
 
     core = EngineCore(EngineConfig(model="tiny", max_num_seqs=8), runner, "engine-t", publish)
-    assert core.load()["kv_release_s"] == []  # no step timed yet: nothing known
+    assert core.load()["kv_release_s"] == [] and core.load()["decode_step_s"] == 0  # no step timed yet
     loop = asyncio.create_task(core.run())
     try:
         for request_id, max_tokens in (("long", 200), ("short", 60)):
@@ -69,7 +69,7 @@ async def test_a_decoding_engine_reports_when_its_requests_give_kv_back(runner: 
         await until(lambda: tokens.get("long", 0) >= 5 and tokens.get("short", 0) >= 5)
         load = core.load()  # between two steps: the loop awaits the model
         step_s = 1 / core.step_rate.value
-        assert step_s > 0
+        assert step_s > 0 and load["decode_step_s"] == step_s  # the router prices a burst's stays with it
         done = {s.request_id: len(s.output_token_ids) for s in core.seqs.values()}
         blocks = {s.request_id: len(s.block_ids) for s in core.seqs.values()}
         assert load["kv_release_s"] == pytest.approx(

@@ -130,6 +130,9 @@ def test_memory_bound_requester_waits_for_room_or_routes_whichever_costs_less() 
     assert memory_need_tokens("fetch", sub_agent) == memory_need_tokens("local", sub_agent) == 2512 + 2048
     roomy = dataclasses.replace(sub_agent, free_kv_tokens=2512 + 2048)
     assert can_take_chunk(roomy) and choose(profile, ibgda, roomy).primitive is Primitive.FETCH
+    # in view of a burst, a copy is free of waits only while every copy of the burst fits
+    assert not can_take_chunk(dataclasses.replace(roomy, pending_requests=1))
+    assert can_take_chunk(dataclasses.replace(roomy, pending_requests=1, free_kv_tokens=2 * 2512 + 2048))
     one_copy = dataclasses.replace(sub_agent, free_kv_tokens=2512 + 2047)  # this one fits, the next not
     choice = choose(profile, ibgda, one_copy)
     assert not can_take_chunk(one_copy) and choice.primitive is Primitive.ROUTE

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from services.router.engines import EngineTable
-from services.router.route_choice import HeldRouting
+from services.router.route_choice import HeldRouting, measured_delay_s
 from shared.errors import NoEngineAvailableError
 from shared.protocol import KvFormat, LoadReport, RouteCapability
 from shared.protocol.messages import SamplingParams
@@ -38,9 +38,11 @@ def table(
     compute: dict[str, str] | None = None,
     holder_queue_s: float = 0.0,
     release: dict[str, tuple[list[float], list[int]]] | None = None,
+    decode_step_s: float = 0.0,
 ) -> EngineTable:
     """e0 and e1; those in `holds` may hold chunks; `compute`: their `compute_id`s (none by default);
-    `holder_queue_s`: e0's; `release`: engines' release schedules (reports sent now)."""
+    `holder_queue_s`: e0's; `release`: engines' release schedules (reports sent now); every cache holds
+    `free_kv_blocks` in all, free, and decodes a step in `decode_step_s`."""
     engines = EngineTable(silence_timeout_s=3.0)
     now = time.monotonic()
     for engine_id in ("e0", "e1"):
@@ -57,6 +59,8 @@ def table(
             kv_release_s=release_s,
             kv_release_tokens=release_tokens,
             free_kv_blocks=free_kv_blocks,
+            total_kv_blocks=free_kv_blocks,
+            decode_step_s=decode_step_s,
             kv_format=FMT,
             waiting_kv_tokens=(waiting or {}).get(engine_id, 0),
             route=route if holder_speaks or engine_id != "e0" else None,
@@ -67,9 +71,9 @@ def table(
     return engines
 
 
-def plan(prompt_tokens: int, max_tokens: int, hits: int = 0) -> RequestPlan:
+def plan(prompt_tokens: int, max_tokens: int, hits: int = 0, request_id: str = "r") -> RequestPlan:
     return RequestPlan(
-        request_id="r",
+        request_id=request_id,
         router_id="x",
         prompt_token_ids=[5] * prompt_tokens,
         sampling=SamplingParams(max_tokens=max_tokens),
@@ -179,6 +183,36 @@ def test_auto_waits_for_the_requesters_memory_when_that_costs_less_than_a_busy_h
     state.report.sent_at -= 0.15
     ((at, tokens),) = HeldRouting(aged, mode="auto", profile=None, fabric="shm").kv_release("e1")
     assert tokens == 64 and 0.0 < at <= 0.05
+
+
+def test_auto_prices_routes_at_what_the_requesters_routed_steps_measured() -> None:
+    """A requester with room for one copy of the document but not two, 64 blocks coming back in 0.2 s: by
+    the model alone (an idle holder) a sub-agent routes rather than wait. Once the requester's load report
+    says its routed decoding steps took 60 ms of round trips (`route_step_s`: a loaded host, where the
+    calibration saw 4 x ~0.5 ms), the excess over the model is priced on every exchange like a holder's
+    queue, and waiting for the copy costs less; a step faster than the model adds nothing, and a holder's
+    own queue is priced as before."""
+    locality = {"held:e0": 32, "store": 32}
+
+    def priced(route_step_s: float, holder_queue_s: float = 0.0) -> tuple[str, float]:
+        release = {"e1": ([0.2], [64 * 64])}  # a running request gives 64 blocks back in 0.2 s
+        engines = table(free_kv_blocks=40, holder_queue_s=holder_queue_s, release=release, decode_step_s=0.07)
+        state = engines.get("e1")
+        assert state is not None and state.report.route is not None
+        state.report.route = dataclasses.replace(state.report.route, route_step_s=route_step_s)
+        routing = HeldRouting(engines, mode="auto", profile=None, fabric="shm")
+        profile = routing.route_profile()
+        assert profile is not None
+        p = plan(64 * 32 + 300, 32, hits=32)
+        routing.apply(p, "e1", locality)
+        assert p.kv.held is not None
+        return p.kv.held.primitive, measured_delay_s(profile, profile.fabric("shm"), state.report.route, 2048)
+
+    assert priced(0.0) == ("route", 0.0)
+    primitive, delay_s = priced(0.06)
+    assert primitive == "fetch" and 0.01 < delay_s < 0.015  # 15 ms per exchange less the model's price
+    assert priced(0.001)[1] == 0.0  # faster than the model: no delay
+    assert priced(0.0, holder_queue_s=0.05)[0] == "fetch"
 
 
 def test_auto_leaves_a_holder_that_shares_its_compute_to_the_engines_it_shares_with() -> None:
