@@ -81,7 +81,7 @@ class RouterCore:
         self.is_idle.set()
         self.dispatch = build_dispatch(config, self.engines, bus, router_id)
         self.kv_planner = KvPlanner(bus, use_index=config.use_kv_cache, timeout_s=config.index_timeout_s)
-        # with move the query on, the planner counts a burst's undecided requests for its routing
+        # with move the query on, the planner holds a burst's undecided requests where its routing counts them
         self.kv_planner.undecided = getattr(getattr(self.dispatch, "held_routing", None), "undecided", None)
 
     # ------------------------------------------------------------------------------------ bus inputs
