@@ -33,7 +33,7 @@ class PlannedKv:
 class Undecided:
     """Requests whose KV plan is being made and whose engine (and move-the-query primitive) is not chosen yet,
     with their block hashes: the sub-agents of a burst that reached the router together, which the routing
-    counts (`kvpath_router_movequery_burst_requests`; the simulator also prices a burst as one, `burst_wait_s`
+    counts (`kvpath_router_movequery_burst_size`; the simulator also prices a burst as one, `burst_wait_s`
     in `services/policy/movequery.py`, which the router does not yet). A request leaves when its plan is
     applied (`discard`); one that failed before that is dropped after `max_age_s` (its lookup's deadline
     has long passed, so it is no longer being decided)."""

@@ -68,7 +68,7 @@ MOVEQUERY_CHOICES = Counter(
     ["primitive"],
 )
 MOVEQUERY_BURST = Histogram(
-    "kvpath_router_movequery_burst_requests",
+    "kvpath_router_movequery_burst_size",
     "Move the query: other requests sharing the held chunk still undecided when one was priced (a burst)",
     buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256),
 )

@@ -1,6 +1,6 @@
 """A burst of sub-agents at the router: requests whose index lookups are in flight together are counted as
 undecided (`services/router/kv_plan.py`, `Undecided`) under their block hashes, so the move-the-query
-routing sees the others that share its chunk (`kvpath_router_movequery_burst_requests`); a request leaves
+routing sees the others that share its chunk (`kvpath_router_movequery_burst_size`); a request leaves
 once its plan is applied, or when it failed before that. Real nats-server; the index is a stand-in
 responder on its subject that holds its replies until every lookup of the burst has arrived (the overlap a
 burst has, made certain). And the requester's measured routed step that prices routes."""
@@ -68,9 +68,9 @@ async def test_requests_planned_together_count_as_one_burst_until_each_is_applie
 
         request = plan(len(agents[0]), 32, hits=DOC_BLOCKS, request_id="a0")
         request.kv = planned[0].kv
-        seen = REGISTRY.get_sample_value("kvpath_router_movequery_burst_requests_sum") or 0.0
+        seen = REGISTRY.get_sample_value("kvpath_router_movequery_burst_size_sum") or 0.0
         routing.apply(request, "e1", planned[0].blocks_by_location)
-        assert REGISTRY.get_sample_value("kvpath_router_movequery_burst_requests_sum") == seen + 2
+        assert REGISTRY.get_sample_value("kvpath_router_movequery_burst_size_sum") == seen + 2
         assert request.kv.held is not None and request.kv.held.holder_id == "e0"
         assert undecided.sharing("a1", hashes[1], DOC_BLOCKS) == 1  # a0 is decided
         planner.decided("a2")  # failed before its dispatch
