@@ -70,12 +70,17 @@ def timed_fanin(
     for mode in MODES:
         admitted: list[_Admitted] = []
         ttfts, latencies, routed, start = [], [], 0, 0.0
+        routed_at: dict[float, int] = {}  # routes decided at one instant: the burst's, on the holder
         for k in range(n):
             now = k * gap_s
             if mode == "auto":
                 pending = sum(1 for j in range(k + 1, n) if j * gap_s <= now)  # arrived with it, undecided
                 sized = dataclasses.replace(
-                    req, pending_requests=pending, kv_capacity_tokens=capacity, decode_step_s=step_s
+                    req,
+                    pending_requests=pending,
+                    holder_burst=pending + routed_at.get(now, 0),
+                    kv_capacity_tokens=capacity,
+                    decode_step_s=step_s,
                 )
                 primitive = _auto(profile, fabric, sized, admitted, capacity, now)
             else:
@@ -87,6 +92,7 @@ def timed_fanin(
             ttfts.append(start + first[p] - now)
             latencies.append(admitted[-1].end_s - now)
             routed += primitive is Primitive.ROUTE
+            routed_at[now] = routed_at.get(now, 0) + (primitive is Primitive.ROUTE)
         out[mode] = {
             "at_once": max(sum(a.start_s <= b.start_s < a.end_s for a in admitted) for b in admitted),
             "ttft_p50_s": float(np.median(ttfts)),

@@ -276,7 +276,7 @@ class RouteConnector(KvConnector):
 
     def route_capability(self) -> RouteCapability:
         holder = self.holder.report() if self.holder is not None else {}
-        return route_capability(self.runner, route_step_s=self.ctx.step_meter.value, **holder)
+        return route_capability(self.runner, route_step_s=self.ctx.exchanges.steps.value, **holder)
 
 
 def build_route_connector(config: Any, service: Any, inner: KvConnector) -> RouteConnector:

@@ -43,13 +43,47 @@ class Query:
     future: concurrent.futures.Future[np.ndarray]
 
 
+ROUTE_STEP_TTL_S = 30.0  # a routed step measured longer ago than this no longer prices routes
+
+
+class StepMeter:
+    """A moving average of how long a decoding forward with routed requests waited for their partials (the
+    worker thread blocked on them, summed over the layers), for the load report
+    (`RouteCapability.route_step_s`). Every routed request of the forward waits that long: it is what a
+    route costs a step here, thread hops and the host's load included. Reads 0 once no step was measured
+    for `ttl_s`, so a route is priced by the model again after a quiet spell (and measured)."""
+
+    __slots__ = ("_at", "_ttl_s", "_value", "_weight")
+
+    def __init__(self, weight: float = 0.2, ttl_s: float = ROUTE_STEP_TTL_S) -> None:
+        self._weight, self._ttl_s = weight, ttl_s
+        self._value = self._at = 0.0
+
+    def add(self, step_s: float) -> None:
+        if step_s > 0:
+            w = self._weight if self._value else 1.0
+            self._value, self._at = (1 - w) * self._value + w * step_s, time.monotonic()
+
+    @property
+    def value(self) -> float:
+        return self._value if time.monotonic() - self._at <= self._ttl_s else 0.0
+
+
 class RouteExchanges:
     """The queries queued since the last flush, by holder. Thread-safe: the worker thread queues and flushes,
-    the event loop resolves."""
+    the event loop resolves. It also times the forwards' waits for their partials (`steps`): a flush of
+    layer-0 queries starts a forward, which is a decoding one when every routed request sends one token."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, str, str], list[Query]] = {}
+        self.steps = StepMeter()
+        self._stall_s = 0.0  # the current forward's waits so far (worker thread only)
+        self._decoding = False
+
+    def stalled(self, seconds: float) -> None:
+        """The worker thread waited `seconds` for a partial (a receive)."""
+        self._stall_s += seconds
 
     def add(self, query: Query) -> None:
         queries = query.session.opened.queries
@@ -61,6 +95,11 @@ class RouteExchanges:
         """Send every queued group (a no-op when nothing is queued)."""
         with self._lock:
             groups, self._pending = self._pending, {}
+        items = [q.item for queries in groups.values() for q in queries]
+        if any(item.layer == 0 for item in items):  # a new forward: the last one's waits are complete
+            if self._decoding:
+                self.steps.add(self._stall_s)
+            self._stall_s, self._decoding = 0.0, all(item.num_tokens == 1 for item in items)
         for queries in groups.values():
             asyncio.run_coroutine_threadsafe(exchange(queries), queries[0].session.loop)
 

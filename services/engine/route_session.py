@@ -70,30 +70,6 @@ class ReplyArea:
             self.replies.release(offset, slot)
 
 
-ROUTE_STEP_TTL_S = 30.0  # a routed step measured longer ago than this no longer prices routes
-
-
-class StepMeter:
-    """A moving average of the route exchanges' wall time per decoding step (every routed request's steps
-    after its first token), for the load report (`RouteCapability.route_step_s`); it reads 0 once no step
-    was measured for `ttl_s`, so a route is priced by the model again after a quiet spell (and measured)."""
-
-    __slots__ = ("_at", "_ttl_s", "_value", "_weight")
-
-    def __init__(self, weight: float = 0.2, ttl_s: float = ROUTE_STEP_TTL_S) -> None:
-        self._weight, self._ttl_s = weight, ttl_s
-        self._value = self._at = 0.0
-
-    def add(self, step_s: float) -> None:
-        if step_s > 0:
-            w = self._weight if self._value else 1.0
-            self._value, self._at = (1 - w) * self._value + w * step_s, time.monotonic()
-
-    @property
-    def value(self) -> float:
-        return self._value if time.monotonic() - self._at <= self._ttl_s else 0.0
-
-
 @dataclass(slots=True)
 class RouteContext:
     """What every session of one engine shares."""
@@ -112,7 +88,6 @@ class RouteContext:
     partial_bytes_per_token: int
     timeout_s: float  # one exchange (and the session open)
     exchanges: RouteExchanges = field(default_factory=RouteExchanges)  # queued until the runtime flushes
-    step_meter: StepMeter = field(default_factory=StepMeter)  # routed decoding steps' exchanges, measured
 
 
 class RouteSession:
@@ -210,12 +185,15 @@ class RouteSession:
         if self.failure or inflight is None:
             return None
         self.ctx.exchanges.flush()  # a no-op when the runtime flushed after its sends
+        started = time.perf_counter()
         try:
             packed = inflight.result(timeout=3 * self.ctx.timeout_s)  # the exchange bounds itself
         except Exception as exc:  # failed, refused, cut off or late: the runtime falls back
             reason = exc.code if isinstance(exc, KvpathError) else "deadline"
             self._give_up(reason, getattr(exc, "message", "") or repr(exc))
             return None
+        finally:
+            self.ctx.exchanges.stalled(time.perf_counter() - started)
         if layer + 1 == self.ctx.num_layers:
             self.step += 1
         return packed
@@ -223,8 +201,6 @@ class RouteSession:
     def _new_step(self) -> None:
         """Between steps: the route's measured price against taking the chunk here (the cost model)."""
         self.last_step_s, self.step_s = self.step_s, 0.0
-        if len(self.seq.output_token_ids) > 1:  # the step that ended decoded (the first token's prefilled)
-            self.ctx.step_meter.add(self.last_step_s)
         remaining = self.seq.sampling.max_tokens - len(self.seq.output_token_ids)
         held = self.held
         if self.failure or not self.seq.output_token_ids or held.take_s <= 0 or self.last_step_s <= 0:

@@ -165,6 +165,7 @@ class RouteRequest:
     # sub-agents), counted for this requester (None: not known, so a backlog keeps copies out); its whole
     # cache, and its decode step besides the chunk's attention (how long a request stays in memory)
     pending_requests: int | None = None
+    holder_burst: int = 0  # the burst's others on every requester, which would route to the same holder
     kv_capacity_tokens: int = 0
     decode_step_s: float = 0.0
     can_route: bool = True  # a live holder and a requester that speaks the protocol
@@ -205,6 +206,10 @@ def request_costs(
         Primitive.FETCH: first[Primitive.FETCH] + steps * attend_step,
         Primitive.LOCAL: first[Primitive.LOCAL] + steps * attend_step,
     }
+    if req.pending_requests and req.holder_burst > 0:  # the burst's other routes share the holder
+        prefill_s, decode_s = holder_burst_s(profile, req)
+        first[Primitive.ROUTE] += prefill_s
+        total[Primitive.ROUTE] += prefill_s + decode_s
     stays = {p: total[p] + req.decode_steps * req.decode_step_s for p in PRIMITIVES}
     for p, wait in _memory_waits_s(req, stays).items():
         first[p] += wait
@@ -217,6 +222,19 @@ def request_costs(
     for p in infeasible:
         total[p] = first[p] = math.inf
     return {str(k): v for k, v in total.items()}, {str(k): v for k, v in first.items()}
+
+
+def holder_burst_s(profile: CostProfile, req: RouteRequest) -> tuple[float, float]:
+    """What the rest of a burst (`holder_burst` others) adds to a routed request's time were all of it to
+    route: (before its first token, after it). The holder attends every sub-agent's prefill rows over the
+    chunk, on average half the others' before this one's, then every routed row at each decoding step.
+    A fast holder (a GPU) makes this small; a holder that computes on the requesters' cores does not."""
+    shape = profile.shape
+    rows, others = shape.rows_per_token, req.holder_burst
+    prefill_rows = max(1, req.new_tokens) * rows
+    prefill_s = others * shape.num_layers * local_attention_s(profile, prefill_rows, req.chunk_tokens) / 2
+    per_step = shape.num_layers * profile.compute.attention_s_per_row_key * rows * req.chunk_tokens * others
+    return prefill_s, max(0, req.decode_steps - 1) * per_step
 
 
 def _memory_waits_s(req: RouteRequest, stays_s: dict[Primitive, float]) -> dict[Primitive, float]:

@@ -14,8 +14,9 @@ hashes prompts with the adopted format, so its hashes and the engines' always ag
 from __future__ import annotations
 
 import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.policy.load_table import LoadTable
 from services.policy.snapshot import ENGINE_ROLES, EngineSnapshot, NodeSnapshot
@@ -35,6 +36,8 @@ class EngineState:
     pending_requests: int = 0
     pending_tokens: int = 0
     pending_kv_tokens: int = 0
+    # when that KV comes back, where the router priced it: (its monotonic clock, tokens)
+    pending_kv_release: list[tuple[float, int]] = field(default_factory=list)
     # another engine saw this one go (its KV data plane broke): out of every decision until a report numbered
     # past `suspect_until_seq` (one it sent before it went may still be on its way) or a restart's
     is_suspect: bool = False
@@ -136,11 +139,14 @@ class EngineTable:
             state.pending_kv_tokens += kv_tokens
             self._changed[service_id] = None
 
-    def note_kv_reserved(self, service_id: str, kv_tokens: int) -> None:
-        """KV the router expects a request it sent to keep resident, until the engine's next report."""
+    def note_kv_reserved(self, service_id: str, kv_tokens: int, release_in_s: float = math.inf) -> None:
+        """KV the router expects a request it sent to keep resident, until the engine's next report, and in
+        how many seconds it comes back (inf: not known)."""
         state = self._engines.get(service_id)
         if state is not None:
             state.pending_kv_tokens += kv_tokens
+            if math.isfinite(release_in_s):
+                state.pending_kv_release.append((time.monotonic() + release_in_s, kv_tokens))
             self._changed[service_id] = None
 
     def note_unassigned(self, service_id: str, tokens: int) -> None:

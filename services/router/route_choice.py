@@ -20,6 +20,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from services.policy.movequery import (
@@ -33,6 +34,8 @@ from services.policy.movequery import (
     fetch_s,
     local_attention_s,
     local_s,
+    memory_wait_s,
+    request_costs,
     resident_kv_tokens,
     route_exchange_s,
 )
@@ -76,6 +79,8 @@ class HeldRouting:
         self.fabric = fabric
         self.names: OrderedDict[tuple[str, str], str] = OrderedDict()
         self.undecided = Undecided(UNDECIDED_MAX_AGE_S)  # the router's KvPlanner adds, `apply` removes
+        # holder -> (the seq of its last report, requests routed to it since): a burst's routes on it
+        self.routed: dict[str, tuple[int, int]] = {}
 
     def holders(self, locality: Mapping[str, int]) -> dict[str, int]:
         """Live engines holding a leading chunk of this prompt -> how many blocks of it."""
@@ -147,16 +152,21 @@ class HeldRouting:
         return free - report.waiting_kv_tokens
 
     def kv_release(self, engine_id: str) -> tuple[tuple[float, int], ...]:
-        """When the engine's running requests give KV back (seconds from now, tokens), from its last load
-        report less the report's age."""
+        """When the engine's requests give KV back (seconds from now, tokens), soonest first: its running
+        ones from its last load report less the report's age, and those this router sent it since, when
+        it priced them (a burst's earlier copies, which the next ones wait for)."""
         state = self.engines.get(engine_id)
         if state is None:
             return ()
         report = state.report
         age = max(0.0, time.time() - report.sent_at)
+        now = time.monotonic()
+        reported = zip(report.kv_release_s, report.kv_release_tokens, strict=True)
         return tuple(
-            (max(0.0, at - age), n)
-            for at, n in zip(report.kv_release_s, report.kv_release_tokens, strict=True)
+            sorted(
+                [(max(0.0, at - age), n) for at, n in reported]
+                + [(max(0.0, at - now), n) for at, n in state.pending_kv_release]
+            )
         )
 
     def apply(
@@ -189,28 +199,79 @@ class HeldRouting:
         if n <= 0:
             return
         num_store = min(n, locality.get("store", 0))
-        chunk = n * block_size
         profile = self.profile or fallback_profile(shape)
-        delay_s = measured_delay_s(profile, profile.fabric(self.fabric), requester.report.route, chunk)
-        request = RouteRequest(
+        request = self._request(plan, engine_id, holder_id, n, locality, profile)
+        request = replace(request, can_fetch=num_store >= n)
+        primitive = self._primitive(profile, request, chosen)
+        log.debug("move the query request_id=%s %s: %s", plan.request_id, primitive, request)
+        plan.kv.held = self._held(plan, holder_id, n, num_store, primitive, shape, can_take_chunk(request))
+        if primitive is Primitive.ROUTE:
+            self.routed[holder_id] = (holder.report.seq, self._routed_since_report(holder_id) + 1)
+        kept = resident_kv_tokens(primitive, request)
+        self.engines.note_kv_reserved(engine_id, kept, self._release_in_s(profile, request, primitive))
+        metrics.MOVEQUERY_CHOICES.labels(str(primitive)).inc()
+
+    def _request(
+        self,
+        plan: RequestPlan,
+        engine_id: str,
+        holder_id: str,
+        n: int,
+        locality: Mapping[str, int],
+        profile: CostProfile,
+    ) -> RouteRequest:
+        """The (request, chunk of `n` blocks) pair as the cost model sees it on this requester: its memory
+        and when it frees, the holder's queue or what routed steps measured here, and the burst."""
+        requester, holder = self.engines.get(engine_id), self.engines.get(holder_id)
+        assert requester is not None and requester.report.route is not None
+        assert holder is not None and holder.report.route is not None
+        measured = requester.report.route
+        chunk = n * self._block_size()
+        delay_s = measured_delay_s(profile, profile.fabric(self.fabric), measured, chunk)
+        return RouteRequest(
             chunk_tokens=chunk,
             new_tokens=plan.num_prompt_tokens - chunk,
             decode_steps=plan.sampling.max_tokens,
             free_kv_tokens=self.free_kv_tokens(engine_id),
             kv_release=self.kv_release(engine_id),
-            holder_queue_s=max(route.holder_queue_s, delay_s),
-            kv_capacity_tokens=requester.report.total_kv_blocks * block_size,
+            holder_queue_s=max(holder.report.route.holder_queue_s, delay_s),
+            pending_requests=self.burst_share(plan, n, locality),
+            holder_burst=self.undecided.sharing(plan.request_id, plan.kv.block_hashes, n)
+            + self._routed_since_report(holder_id),
+            kv_capacity_tokens=requester.report.total_kv_blocks * self._block_size(),
             # its step besides the route exchanges (the model prices those), which a routed batch's includes
-            decode_step_s=max(0.0, requester.report.decode_step_s - requester.report.route.route_step_s),
-            can_fetch=num_store >= n,
+            decode_step_s=max(0.0, requester.report.decode_step_s - measured.route_step_s),
         )
-        # the burst is counted, not priced yet: this router does not know when the KV of its own choices
-        # earlier in the burst comes back, so copies past the first few would be priced as never admitted
-        metrics.MOVEQUERY_BURST.observe(self.undecided.sharing(plan.request_id, plan.kv.block_hashes, n))
-        primitive = self._primitive(profile, request, chosen)
-        plan.kv.held = self._held(plan, holder_id, n, num_store, primitive, shape, can_take_chunk(request))
-        self.engines.note_kv_reserved(engine_id, resident_kv_tokens(primitive, request))
-        metrics.MOVEQUERY_CHOICES.labels(str(primitive)).inc()
+
+    def burst_share(self, plan: RequestPlan, num_blocks: int, locality: Mapping[str, int]) -> int:
+        """This requester's share of the burst: the other requests sharing the chunk's `num_blocks` that are
+        still undecided (counted in `kvpath_router_movequery_burst_size`), over the engines that may take
+        them (the pick spreads a burst by load)."""
+        others = self.undecided.sharing(plan.request_id, plan.kv.block_hashes, num_blocks)
+        metrics.MOVEQUERY_BURST.observe(others)
+        if not others:
+            return 0
+        avoid = self.avoid(locality, plan)
+        takers = [
+            s
+            for s in self.engines.live(time.monotonic())
+            if s.report.route is not None and not s.report.is_draining and s.report.service_id not in avoid
+        ]
+        return others // max(1, len(takers))
+
+    def _routed_since_report(self, holder_id: str) -> int:
+        """Requests this router routed to the holder since its last load report (its queue says the rest)."""
+        holder = self.engines.get(holder_id)
+        seq, n = self.routed.get(holder_id, (-1, 0))
+        return n if holder is not None and holder.report.seq == seq else 0
+
+    def _release_in_s(self, profile: CostProfile, request: RouteRequest, primitive: Primitive) -> float:
+        """In how many seconds the request gives its KV on the requester back, as priced: its own wait for
+        that memory, the primitive's time and its decode steps (inf: not known)."""
+        start_s = memory_wait_s(request, resident_kv_tokens(primitive, request))
+        bare = replace(request, free_kv_tokens=None)  # its time once admitted
+        total, _ = request_costs(profile, profile.fabric(self.fabric), bare)
+        return start_s + total[str(primitive)] + request.decode_steps * request.decode_step_s
 
     def route_profile(self) -> CostProfile | None:
         """The route constants a cost model prices with: the calibrated profile, else the uncalibrated guess

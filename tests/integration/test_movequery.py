@@ -24,6 +24,7 @@ from shared.bus import Bus
 from shared.errors import InvalidRequestError
 from shared.hashing import block_hashes
 from shared.kvclient import IndexClient
+from shared.protocol import LoadReport
 from shared.protocol.movequery import RouteBuffer, RouteOpen, RouteOpened
 from tests.cluster import Stack, wait_ready
 from tests.integration.test_kv_reuse import complete
@@ -125,8 +126,17 @@ async def test_fan_in_routes_to_the_holder_with_identical_tokens_and_survives_it
         others = [s.start("engine", f"engine-{i}", *engine_args(backend, holds=False)) for i in (1, 2)]
         ids = {"engine-0", "engine-1", "engine-2", "router-0"}
         ready = await wait_ready(bus, ids, s.procs, num_engines=3)
+        measured = asyncio.Event()  # a requester reports its routed steps' waits for partials
+
+        async def on_report(report: LoadReport, _: Any) -> None:
+            if report.route is not None and report.route.route_step_s > 0:
+                measured.set()
+
+        for engine_id in ("engine-1", "engine-2"):
+            await bus.subscribe(bus.subjects.load("colocated", engine_id), LoadReport, on_report)
         outs = await asyncio.gather(*(complete(http, url, p, 24, f"a{i}") for i, p in enumerate(agents)))
         assert [tokens(o) for o in outs] == want
+        await asyncio.wait_for(measured.wait(), 10)
         routed = exchanges = carried = 0.0
         for engine_id in ("engine-1", "engine-2"):
             text = await engine_metrics(http, ready[engine_id].http_url)

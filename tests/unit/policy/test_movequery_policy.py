@@ -10,6 +10,7 @@ import pytest
 
 from services.policy.movequery import (
     Fabric,
+    ModelShape,
     Primitive,
     RouteRequest,
     burst_wait_s,
@@ -17,11 +18,14 @@ from services.policy.movequery import (
     can_take_chunk,
     choose,
     fetch_s,
+    holder_burst_s,
     keep_routing,
+    local_attention_s,
     local_fetch_crossover_tokens,
     local_s,
     memory_need_tokens,
     memory_wait_s,
+    request_costs,
     resident_kv_tokens,
     route_exchange_s,
     route_fetch_crossover_rows,
@@ -185,6 +189,39 @@ def test_a_burst_is_priced_at_the_waves_it_would_queue_in() -> None:
     assert math.isfinite(choose(profile, ibgda, behind).costs_s["fetch"])
     unseen = dataclasses.replace(behind, pending_requests=None)  # a caller that cannot see bursts
     assert math.isinf(choose(profile, ibgda, unseen).costs_s["fetch"])
+
+
+def test_a_bursts_other_routes_queue_on_the_holder() -> None:
+    """Were a burst to route, the holder attends every sub-agent's prefill rows over the chunk (half the
+    others' before this one's, on average) and every routed row at each decoding step. A holder on a CPU
+    (this host's calibration: ~1 ns per row x key) turns a 15-sub-agent burst's route from the cheapest
+    primitive into one dearer than a fetch; to the paper's GPU holder it adds a few percent of a 400-token
+    answer's route; alone (no burst) nothing is added."""
+    cpu = fallback_profile(ModelShape(4, 8, 128, 136, 512))
+    cpu = dataclasses.replace(
+        cpu,
+        compute=dataclasses.replace(cpu.compute, attention_s_per_row_key=9.2e-10, attention_s_per_key=2.8e-8),
+    )
+    shm = cpu.fabric("shm")
+    alone = RouteRequest(chunk_tokens=2048, new_tokens=300, decode_steps=16, free_kv_tokens=8192)
+    burst = dataclasses.replace(alone, pending_requests=7, holder_burst=15, kv_capacity_tokens=8192)
+    prefill_s, decode_s = holder_burst_s(cpu, burst)
+    assert prefill_s == pytest.approx(15 * 4 * local_attention_s(cpu, 300 * 8, 2048) / 2)
+    assert decode_s == pytest.approx(15 * 15 * 4 * 9.2e-10 * 8 * 2048)
+    total, first = request_costs(cpu, shm, burst)
+    bare_total, bare_first = request_costs(cpu, shm, dataclasses.replace(burst, holder_burst=0))
+    assert first["route"] - bare_first["route"] == pytest.approx(prefill_s)
+    assert total["route"] - bare_total["route"] == pytest.approx(prefill_s + decode_s)
+    assert choose(cpu, shm, dataclasses.replace(burst, holder_burst=0)).primitive is Primitive.ROUTE
+    assert choose(cpu, shm, burst).primitive is Primitive.FETCH
+    unseen = dataclasses.replace(burst, pending_requests=None)  # a caller that sees no burst adds nothing
+    assert request_costs(cpu, shm, unseen)[0]["route"] == pytest.approx(
+        request_costs(cpu, shm, alone)[0]["route"]
+    )
+    gpu = paper_profile(with_compute=True)
+    long = dataclasses.replace(alone, decode_steps=400)
+    added = sum(holder_burst_s(gpu, dataclasses.replace(burst, decode_steps=400)))
+    assert 0 < added < 0.05 * request_costs(gpu, PAPER_FABRICS["ibgda"], long)[0]["route"]
 
 
 def test_keep_routing_between_steps() -> None:

@@ -13,7 +13,7 @@ import random
 import pytest
 from prometheus_client import REGISTRY
 
-from services.engine.route_session import StepMeter
+from services.engine.route_exchange import StepMeter
 from services.router.kv_plan import KvPlanner, PlannedKv, Undecided
 from services.router.route_choice import HeldRouting
 from shared.bus import Bus, MsgContext

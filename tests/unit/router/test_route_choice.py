@@ -215,6 +215,50 @@ def test_auto_prices_routes_at_what_the_requesters_routed_steps_measured() -> No
     assert priced(0.0, holder_queue_s=0.05)[0] == "fetch"
 
 
+def test_auto_prices_a_burst_in_view_at_the_waves_its_copies_would_queue_in() -> None:
+    """Eight sub-agents of a 2048-token document planned together (the router's `undecided`: their index
+    lookups were in flight at once) reach a requester whose whole cache, 128 blocks, holds three copies and
+    which decodes a step in 30 ms. Alone, a sub-agent fetches while a copy fits beside room for one more;
+    in view of the burst, copies would queue in waves of three, one stay (32 steps) apart, so the first
+    routes. Each applied request leaves the burst, and the KV it keeps is noted with when it comes back as
+    priced (its stay), which the next copies wait for. The burst is shared among the engines that can take
+    it: with the holder a candidate too (its own compute), a requester's share of 7 others is 3; the routes
+    it decided count on the holder (`holder_burst`) until the holder's next report."""
+    locality = {"held:e0": 32, "store": 32}
+    shared = {"e0": "cpu@a", "e1": "cpu@a"}
+
+    def first_choice(burst: int) -> tuple[str, int, tuple[tuple[float, int], ...]]:
+        engines = table(free_kv_blocks=128, compute=shared, decode_step_s=0.03)
+        routing = HeldRouting(engines, mode="auto", profile=None, fabric="shm")
+        plans = [plan(64 * 32 + 300, 32, hits=32, request_id=f"r{i}") for i in range(burst)]
+        for p in plans:
+            routing.undecided.add(p.request_id, p.kv.block_hashes)
+        routing.apply(plans[0], "e1", locality)
+        assert plans[0].kv.held is not None
+        left = routing.undecided.sharing("r1", plans[0].kv.block_hashes, 32)
+        return plans[0].kv.held.primitive, left, routing.kv_release("e1")
+
+    primitive, _, ((at, tokens),) = first_choice(1)
+    assert primitive == "fetch" and tokens == 2048 + 332 and 32 * 0.03 < at < 32 * 0.03 + 0.1
+    primitive, left, ((at, tokens),) = first_choice(8)
+    assert (primitive, left, tokens) == ("route", 6, 332)  # the first left the burst: 6 others remain
+    routing = HeldRouting(table(free_kv_blocks=128), mode="auto", profile=None, fabric="shm")
+    plans = [plan(64 * 32 + 300, 32, hits=32, request_id=f"r{i}") for i in range(8)]
+    for p in plans:
+        routing.undecided.add(p.request_id, p.kv.block_hashes)
+    assert routing.avoid(locality, plans[0]) == set()
+    assert routing.burst_share(plans[0], 32, locality) == 3
+    # routes decided in the burst load the holder until its next report says so itself
+    routing = HeldRouting(table(free_kv_blocks=128), mode="route", profile=None, fabric="shm")
+    routing.apply(plans[0], "e1", locality)
+    assert plans[0].kv.held is not None and plans[0].kv.held.primitive == "route"
+    assert routing._routed_since_report("e0") == 1
+    holder = routing.engines.get("e0")
+    assert holder is not None
+    routing.engines.update(dataclasses.replace(holder.report, seq=2), now=time.monotonic())
+    assert routing._routed_since_report("e0") == 0
+
+
 def test_auto_leaves_a_holder_that_shares_its_compute_to_the_engines_it_shares_with() -> None:
     """CPU engines of one host (one compute_id): a sub-agent on the holder would take cores from the
     requesters to save a fetch, so auto sends it elsewhere while another engine can take it; a holder on
