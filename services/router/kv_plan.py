@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -40,23 +41,34 @@ class Undecided:
 
     def __init__(self, max_age_s: float) -> None:
         self.max_age_s = max_age_s
-        self._hashes: dict[str, tuple[float, list[int]]] = {}
+        self._hashes: OrderedDict[str, tuple[float, list[int]]] = OrderedDict()  # oldest first
+
+    def __len__(self) -> int:
+        return len(self._hashes)
 
     def add(self, request_id: str, hashes: list[int]) -> None:
+        now = time.monotonic()
+        self._prune(now)  # also where nothing prices a burst (a dispatch that never applies a plan)
         if hashes:
-            self._hashes[request_id] = (time.monotonic(), hashes)
+            self._hashes[request_id] = (now, hashes)
+            self._hashes.move_to_end(request_id)
 
     def discard(self, request_id: str) -> None:
         self._hashes.pop(request_id, None)
+
+    def _prune(self, now: float) -> None:
+        while self._hashes:
+            request_id, (at, _) = next(iter(self._hashes.items()))
+            if at >= now - self.max_age_s:
+                return
+            del self._hashes[request_id]
 
     def sharing(self, request_id: str, hashes: list[int], num_blocks: int) -> int:
         """How many other undecided requests share the first `num_blocks` blocks of `hashes` (a chain hash
         names its whole prefix, so the last of them decides)."""
         if num_blocks <= 0 or len(hashes) < num_blocks:
             return 0
-        oldest = time.monotonic() - self.max_age_s
-        for stale in [r for r, (at, _) in self._hashes.items() if at < oldest]:
-            del self._hashes[stale]
+        self._prune(time.monotonic())
         key = hashes[num_blocks - 1]
         return sum(
             1

@@ -80,10 +80,13 @@ async def test_requests_planned_together_count_as_one_burst_until_each_is_applie
 
 
 def test_a_request_still_undecided_long_after_its_lookup_is_dropped() -> None:
-    undecided = Undecided(max_age_s=0.0)
+    """Dropped when counting and when adding: a router whose dispatch never applies a plan (nothing prices
+    a burst there) keeps no more than its recent requests."""
+    undecided = Undecided(max_age_s=-1.0)  # everything already stale
     undecided.add("a", [1, 2, 3])
     undecided.add("b", [1, 2, 3])
-    assert undecided.sharing("c", [1, 2, 3], 3) == 0
+    assert len(undecided) == 1  # "a" went when "b" came
+    assert undecided.sharing("c", [1, 2, 3], 3) == 0 and len(undecided) == 0
     kept = Undecided(max_age_s=60.0)
     kept.add("a", [1, 2, 3])
     kept.add("b", [1, 2, 9])
