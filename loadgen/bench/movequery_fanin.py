@@ -35,6 +35,8 @@ from loadgen.bench.scrape import scrape
 from services.up.process import ServiceStack
 from services.up.topology import engine_threads, host_cores
 from shared.bus import Bus, Registry
+from shared.hashing import block_hashes
+from shared.kvclient import IndexClient
 from shared.natsserver import NatsServer
 from shared.protocol import ServiceInfo
 
@@ -65,6 +67,19 @@ async def _until(check: Any, what: str, timeout_s: float = READY_TIMEOUT_S) -> A
         if time.monotonic() > deadline:
             raise TimeoutError(f"fan-in bench: {what} not within {timeout_s:.0f} s")
         await asyncio.sleep(0.1)
+
+
+async def _until_held(bus: Bus, doc: list[int], fingerprint: str) -> None:
+    """Until the index lists the document as held by engine-0 (its KV events applied): a sub-agent planned
+    before that sees no held chunk, and is served as a plain request whatever the primitive."""
+    hashes = block_hashes(doc, BLOCK, fingerprint)
+    index = IndexClient(bus)
+
+    async def held() -> bool:
+        match = await index.match(hashes, timeout_s=5.0)
+        return match.per_location.get("held:engine-0", 0) >= len(hashes)
+
+    await _until(held, "the held document in the index")
 
 
 async def _ready(stack: ServiceStack, registry: Registry[ServiceInfo], num_engines: int) -> dict[str, Any]:
@@ -174,6 +189,7 @@ async def _one_primitive(primitive: str, opts: dict[str, Any], tmp: Path) -> lis
             opts = {**opts, "kv_bytes_per_token": kv_format.bytes_per_token}
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
                 await _stream(http, url, doc, 2)  # prefilled once, pinned, persisted
+                await _until_held(bus, doc, kv_format.fingerprint)  # else the first N sees no holder
                 for i in range(opts["engines"]):
                     args = _engine_args(holds=False, **shape)
                     stack.start("engine", f"engine-{i + 1}", *args)
