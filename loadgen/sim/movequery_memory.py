@@ -10,7 +10,9 @@ order with the router's rule (`choose`): the requester's free KV less what the s
 it keep, and when each of those gives its KV back (the release schedule a requester's load report
 carries: here exact), so a copy of the chunk that does not fit is priced with its wait for memory; and
 the sub-agents that arrived at the same instant and are not decided yet (`pending_requests`), so a burst
-is priced at the waves it would queue in (`burst_wait_s`).
+is priced at the waves it would queue in (`burst_wait_s`). The holder here is a fixed queue per exchange (the
+idle or busy holder of the scenario), not one that a burst's routes load, so no `holder_burst` is passed: the
+router's term for that load would price a contention this model does not play out.
 
 Per primitive: how many run at once, the median TTFT (admission + the primitive's time to the first
 token), and when the last one finishes.
@@ -70,7 +72,6 @@ def timed_fanin(
     for mode in MODES:
         admitted: list[_Admitted] = []
         ttfts, latencies, routed, start = [], [], 0, 0.0
-        routed_at: dict[float, int] = {}  # routes decided at one instant: the burst's, on the holder
         for k in range(n):
             now = k * gap_s
             if mode == "auto":
@@ -78,7 +79,6 @@ def timed_fanin(
                 sized = dataclasses.replace(
                     req,
                     pending_requests=pending,
-                    holder_burst=pending + routed_at.get(now, 0),
                     kv_capacity_tokens=capacity,
                     decode_step_s=step_s,
                 )
@@ -92,7 +92,6 @@ def timed_fanin(
             ttfts.append(start + first[p] - now)
             latencies.append(admitted[-1].end_s - now)
             routed += primitive is Primitive.ROUTE
-            routed_at[now] = routed_at.get(now, 0) + (primitive is Primitive.ROUTE)
         out[mode] = {
             "at_once": max(sum(a.start_s <= b.start_s < a.end_s for a in admitted) for b in admitted),
             "ttft_p50_s": float(np.median(ttfts)),
