@@ -49,11 +49,23 @@ class EventFeed:
         )
 
     async def fetch(self) -> list[Msg]:
-        """The next batch of messages in stream order; [] when none arrived within `fetch_wait_s`."""
+        """The next batch of messages in stream order, returned as soon as the first one arrives (with
+        every one already waiting behind it, up to `fetch_batch`); [] when none arrived within
+        `fetch_wait_s`.
+
+        Not one `fetch(fetch_batch)`: nats-py's batch fetch, once its lingering pull has delivered a
+        first message, waits for the rest of the batch until the whole timeout has passed, so an event
+        arriving on an idle stream was applied up to `fetch_wait_s` late, and every request whose last
+        delta waits for its blocks to be indexed waited with it. The first message carries how many
+        more the consumer holds (`num_pending`); those are fetched at once (no lingering)."""
         if self._sub is None:
             raise nats.errors.Error("event feed not open")
         try:
-            return await self._sub.fetch(self.fetch_batch, timeout=self.fetch_wait_s)
+            msgs = await self._sub.fetch(1, timeout=self.fetch_wait_s)
+            waiting = min(self.fetch_batch - 1, int(msgs[-1].metadata.num_pending or 0))
+            if waiting > 0:
+                msgs += await self._sub.fetch(waiting, timeout=self.fetch_wait_s)
+            return msgs
         except (nats.errors.TimeoutError, TimeoutError):  # nats-py raises either when nothing arrived
             return []
 
