@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 _INACTIVE_THRESHOLD_S = 60.0
 
 FeedErrors = (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError)
+_NOTHING = (nats.errors.TimeoutError, TimeoutError)  # nats-py raises either when nothing arrived
 
 
 class EventFeed:
@@ -53,21 +54,24 @@ class EventFeed:
         every one already waiting behind it, up to `fetch_batch`); [] when none arrived within
         `fetch_wait_s`.
 
-        Not one `fetch(fetch_batch)`: nats-py's batch fetch, once its lingering pull has delivered a
-        first message, waits for the rest of the batch until the whole timeout has passed, so an event
-        arriving on an idle stream was applied up to `fetch_wait_s` late, and every request whose last
-        delta waits for its blocks to be indexed waited with it. The first message carries how many
-        more the consumer holds (`num_pending`); those are fetched at once (no lingering)."""
+        Not one `fetch(fetch_batch)`: after a window that ended empty, nats-py's batch fetch can take
+        the expired pull request's late 408 for the answer to its own probe and send a lingering pull
+        for the whole batch that outlives it; the next event then goes to that pull, and the fetch
+        that receives it waits for the rest of the batch until the pull expires (up to `fetch_wait_s`,
+        and every request whose last delta waits for its blocks to be indexed waits with it). A pull
+        for one message cannot hold a second one back. The first message carries how many more the
+        consumer holds (`num_pending`); those are fetched at once, without lingering."""
         if self._sub is None:
             raise nats.errors.Error("event feed not open")
         try:
             msgs = await self._sub.fetch(1, timeout=self.fetch_wait_s)
-            waiting = min(self.fetch_batch - 1, int(msgs[-1].metadata.num_pending or 0))
-            if waiting > 0:
-                msgs += await self._sub.fetch(waiting, timeout=self.fetch_wait_s)
-            return msgs
-        except (nats.errors.TimeoutError, TimeoutError):  # nats-py raises either when nothing arrived
+        except _NOTHING:
             return []
+        waiting = min(self.fetch_batch - 1, int(msgs[-1].metadata.num_pending or 0))
+        if waiting > 0:  # delivered is delivered (no acks): a timeout here must not lose the first
+            with contextlib.suppress(*_NOTHING):
+                msgs += await self._sub.fetch(waiting, timeout=self.fetch_wait_s)
+        return msgs
 
     async def num_pending(self) -> int:
         """Messages the consumer has not delivered yet (raises when the consumer is gone)."""
