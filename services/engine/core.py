@@ -20,7 +20,7 @@ from services.engine import choices, metrics, tracing
 from services.engine.admission import check_kv_plan, check_pinned, check_prompt, check_room
 from services.engine.config import EngineConfig
 from services.engine.connector import KvConnector, NullConnector
-from services.engine.load_state import engine_load
+from services.engine.load_state import PrefillRates, engine_load
 from services.engine.outbox import Outgoing, Publish, TokenOutbox
 from services.engine.sampling import banned_token_ids, new_sequence, sampling_options
 from services.engine.scheduler import EngineScheduler, PrefillChunk, StepPlan
@@ -72,9 +72,7 @@ class EngineCore:
         self.is_idle = asyncio.Event()  # no request in the engine (drain waits on it)
         self.is_idle.set()
         self.step_count = 0
-        # prompt tokens (loaded + computed) per second of prefill: the unit of the router's tok_e, so
-        # DualPath's beta (tokens a PE processes in beta_s) counts whole prompts, as the paper's len_r does
-        self.prefill_rate = RateMeter()
+        self.prefill_rates = PrefillRates()  # prompt and compute tokens per second (load_state.py)
         self.step_rate = RateMeter()  # decoding steps per second of the loop (load_state.py)
         self.outbox = TokenOutbox(engine_id, publish)
         self.grammars = GrammarCompiler(runner.tokenizer)
@@ -240,7 +238,7 @@ class EngineCore:
         metrics.PREFILL_STEP.observe(elapsed)
         metrics.PREFILL_BATCH_SIZE.observe(len(computed))
         metrics.PREFILL_TOKENS.inc(num_tokens)
-        self.prefill_rate.add(num_tokens + sum(c.load_tokens for c in computed), elapsed)
+        self.prefill_rates.count(num_tokens, sum(c.load_tokens for c in computed), elapsed)
         sampled = {c.seq: t for c, t in zip(computed, out, strict=True) if t is not None}
         for c, p in zip(computed, pseqs, strict=True):  # the other choices' first tokens (choices.py)
             sampled.update(zip(choices.pending(c.seq), p.fork_token_ids, strict=True))
@@ -383,7 +381,7 @@ class EngineCore:
     def load(self) -> dict[str, Any]:
         """What the engine's load report and health state say of its requests and cache (load_state.py)."""
         return engine_load(
-            self.seqs.values(), self.scheduler, self.runner.kv, self.prefill_rate, self.step_rate
+            self.seqs.values(), self.scheduler, self.runner.kv, self.prefill_rates, self.step_rate
         )
 
 

@@ -28,24 +28,23 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.policy.ampd_costs import STORAGE, CostModel, linear_cost_model
+from services.policy.ampd_costs import CostModel
 from services.policy.auto import AUTO, AutoRequest, AutoSnapshot, Decision, EngineLoad, Plan, Source, plan
 from services.policy.auto_calibration import PathCorrection, TtftCalibration
 from services.policy.auto_costs import DEFAULT_MAX_NUM_BATCHED_TOKENS, POOL, AutoProfiles
 from services.policy.snapshot import ROLE_COLOCATED, EngineSnapshot
-from services.policy.thresholds import FALLBACK_PREFILL_TOKENS_PER_S
 from services.router import metrics
 from services.router.auto_pd import PD_PATHS, SESSION_DECODE, dispatch_pd, has_pd_engines
 from services.router.config import RouterConfig
 from services.router.dispatch import ColocatedDispatch, local_blocks
-from services.router.engines import ROLE_STORAGE, EngineTable
+from services.router.engines import EngineTable
+from services.router.measured_costs import measured_cost_model
 from services.router.plan_ledger import PlanLedger
 from services.router.streams import StreamTable
 from shared import telemetry
@@ -58,7 +57,6 @@ __all__ = ["AUTO", "AutoDispatch", "PlanLedger", "build_auto_dispatch"]
 
 LIVE_SOURCES = frozenset({Source.HBM, Source.POOL, Source.STORAGE, Source.RECOMPUTE})
 OUTPUT_HORIZON = 256  # output tokens a decision looks ahead (max_tokens is only an upper bound)
-FALLBACK_LINK_BYTES_PER_S = 1e9
 
 
 @dataclass(slots=True)
@@ -226,24 +224,7 @@ class AutoDispatch(ColocatedDispatch):
 
     def _measured_costs(self) -> CostModel:
         """A linear model from the engines' measured rates, until a `kvpath profile` file is given."""
-        now = time.monotonic()
-        rates = [st.report.rates.get("prefill_tokens_per_s", 0.0) for st in self.engines.live(now)]
-        reads = [
-            st.report.rates.get("read_bandwidth_bytes_per_s", 0.0)
-            for st in self.engines.live(now, roles=(ROLE_STORAGE,))
-        ]
-        fmt = self.engines.kv_format
-        return linear_cost_model(
-            prefill_tokens_per_s=statistics.median(
-                [r for r in rates if r > 0] or [FALLBACK_PREFILL_TOKENS_PER_S]
-            ),
-            decode_step_s=0.0,
-            kv_bytes_per_token=fmt.bytes_per_token if fmt is not None else 1,
-            link_bytes_per_s={
-                self.kv_link: FALLBACK_LINK_BYTES_PER_S,
-                STORAGE: max([r for r in reads if r > 0] or [FALLBACK_LINK_BYTES_PER_S]),
-            },
-        )
+        return measured_cost_model(self.engines, data_link=self.kv_link)
 
     def block_size(self) -> int:
         return self.engines.kv_format.block_size if self.engines.kv_format is not None else 1

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,13 +40,13 @@ from services.policy.ampd import (
     remote_history,
     route_by_mode,
 )
-from services.policy.ampd_costs import STORAGE, CostModel, linear_cost_model
+from services.policy.ampd_costs import CostModel
 from services.policy.snapshot import ROLE_DECODE, ROLE_PREFILL
-from services.policy.thresholds import FALLBACK_PREFILL_TOKENS_PER_S
 from services.router import metrics
 from services.router.config import RouterConfig
 from services.router.dispatch import MAX_DISPATCH_ATTEMPTS, Dispatch, publish_abort, undispatched
-from services.router.engines import ROLE_STORAGE, EngineTable
+from services.router.engines import EngineTable
+from services.router.measured_costs import measured_cost_model
 from services.router.pd_tasks import send_local, send_remote
 from services.router.pd_tasks import stored_blocks as stored_count
 from services.router.sessions import Flight, FlightBook, SessionTable
@@ -65,7 +64,6 @@ from shared.protocol import KvPlan, RequestPlan, TokenBatch
 
 log = logging.getLogger(__name__)
 
-FALLBACK_LINK_BYTES_PER_S = 1e9  # a link nobody measured (no profile, no storage report)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,23 +216,8 @@ class SessionDispatch(Dispatch):
         services report (prefill rates, storage bandwidth)."""
         if self.profiled is not None:
             return self.profiled
-        now = time.monotonic()
-        rates = [
-            st.report.rates.get("prefill_tokens_per_s", 0.0)
-            for st in self.engines.live(now, roles=(ROLE_PREFILL, ROLE_DECODE))
-        ]
-        measured = [r for r in rates if r > 0]
-        reads = [
-            st.report.rates.get("read_bandwidth_bytes_per_s", 0.0)
-            for st in self.engines.live(now, roles=(ROLE_STORAGE,))
-        ]
-        read_bandwidth = max((r for r in reads if r > 0), default=FALLBACK_LINK_BYTES_PER_S)
-        kv_format = self.engines.kv_format
-        return linear_cost_model(
-            prefill_tokens_per_s=statistics.median(measured) if measured else FALLBACK_PREFILL_TOKENS_PER_S,
-            decode_step_s=0.0,
-            kv_bytes_per_token=kv_format.bytes_per_token if kv_format is not None else 1,
-            link_bytes_per_s={self.params.ampd.data_link: FALLBACK_LINK_BYTES_PER_S, STORAGE: read_bandwidth},
+        return measured_cost_model(
+            self.engines, data_link=self.params.ampd.data_link, roles=(ROLE_PREFILL, ROLE_DECODE)
         )
 
     def _live_ids(self, role: str, now: float) -> list[str]:

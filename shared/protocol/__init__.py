@@ -2,6 +2,8 @@
 
 from shared.protocol.codec import PROTOCOL_VERSION, Message, decode, encode, from_dict, message, register
 from shared.protocol.messages import (
+    COMPUTE_RATE,
+    PROMPT_RATE,
     Abort,
     Ack,
     ErrorReply,
@@ -17,6 +19,8 @@ from shared.protocol.subjects import Subjects, check_token
 from shared.protocol.tasks import GenerateTask, KvPlan, RequestPlan, TaskAck
 
 __all__ = [
+    "COMPUTE_RATE",
+    "PROMPT_RATE",
     "PROTOCOL_VERSION",
     "Abort",
     "Ack",

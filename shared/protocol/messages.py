@@ -104,6 +104,13 @@ class ServiceInfo(Message):
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# LoadReport.rates of engines: prompt tokens (loaded + computed) per second of prefill steps, the unit of
+# DualPath's beta; and computed tokens per second of the prefill steps that loaded nothing, what a cost model
+# built from measured rates prices new tokens at (at high hit rates the first is many times the second)
+PROMPT_RATE = "prefill_tokens_per_s"
+COMPUTE_RATE = "prefill_compute_tokens_per_s"
+
+
 @message
 class LoadReport(Message):
     """Periodic load of a service. Engines fill the scheduling fields, storage the read-queue ones."""
@@ -130,7 +137,7 @@ class LoadReport(Message):
     read_queue_tokens: int = 0
     read_queue_bytes: int = 0
     is_draining: bool = False
-    rates: dict[str, float] = field(default_factory=dict)  # measured rates, e.g. prefill_tokens_per_s
+    rates: dict[str, float] = field(default_factory=dict)  # measured rates: PROMPT_RATE, COMPUTE_RATE, ...
     waiting_kv_tokens: int = 0  # engines: KV tokens the requests queued on it will need
     max_num_batched_tokens: int = 0  # engines: prefill tokens per step (chunked beyond it); 0: not said
     route: RouteCapability | None = None  # engines speaking move-the-query's route protocol

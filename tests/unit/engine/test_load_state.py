@@ -17,7 +17,15 @@ from services.engine.config import EngineConfig
 from services.engine.core import EngineCore
 from services.engine.load_state import MAX_RELEASES, release_schedule
 from shared.hashing import block_hashes
-from shared.protocol import GenerateTask, LoadReport, RequestPlan, SamplingParams, TokenBatch
+from shared.protocol import (
+    COMPUTE_RATE,
+    PROMPT_RATE,
+    GenerateTask,
+    LoadReport,
+    RequestPlan,
+    SamplingParams,
+    TokenBatch,
+)
 from shared.protocol.codec import decode, encode
 from shared.protocol.tasks import KvPlan
 
@@ -70,6 +78,10 @@ async def test_a_decoding_engine_reports_when_its_requests_give_kv_back(runner: 
         load = core.load()  # between two steps: the loop awaits the model
         step_s = 1 / core.step_rate.value
         assert step_s > 0 and load["decode_step_s"] == step_s  # the router prices a burst's stays with it
+        # nothing was loaded: every prompt token was computed, so both prefill rates are the compute's
+        rates = core.prefill_rates
+        assert load["rates"] == {PROMPT_RATE: rates.prompt.value, COMPUTE_RATE: rates.compute.value}
+        assert load["rates"][COMPUTE_RATE] == load["rates"][PROMPT_RATE] > 0
         done = {s.request_id: len(s.output_token_ids) for s in core.seqs.values()}
         blocks = {s.request_id: len(s.block_ids) for s in core.seqs.values()}
         assert load["kv_release_s"] == pytest.approx(
@@ -85,6 +97,22 @@ async def test_a_decoding_engine_reports_when_its_requests_give_kv_back(runner: 
     finally:
         loop.cancel()
         await core.close()
+
+
+def test_a_step_that_loaded_a_stored_prefix_counts_in_the_prompt_rate_only(runner: ModelRunner) -> None:
+    """The compute rate is what a cost model built from measured rates prices new tokens at: a step that
+    computed 100 tokens over 1,800 it loaded in 20 ms made 95,000 prompt tokens a second ready, but says
+    nothing of how fast 1,900 would compute."""
+
+    async def publish(router_id: str, batch: TokenBatch) -> None:
+        return None
+
+    core = EngineCore(EngineConfig(model="tiny"), runner, "engine-r", publish)
+    core.prefill_rates.count(100, 1800, 0.02)
+    assert core.load()["rates"] == {PROMPT_RATE: pytest.approx(95_000), COMPUTE_RATE: 0.0}
+    core.prefill_rates.count(500, 0, 0.1)
+    rates = core.load()["rates"]
+    assert rates[COMPUTE_RATE] == pytest.approx(5_000) and 5_000 < rates[PROMPT_RATE] < 95_000
 
 
 def seq(max_tokens: int, generated: int, block_ids: list[int]) -> Any:

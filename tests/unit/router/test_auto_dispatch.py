@@ -10,12 +10,13 @@ import pytest
 
 from services.policy.auto import Source, enumerate_plans
 from services.policy.auto_costs import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from services.policy.thresholds import FALLBACK_PREFILL_TOKENS_PER_S
 from services.router import metrics
 from services.router.auto_dispatch import AutoDispatch, build_auto_dispatch
 from services.router.auto_pd import remote_history
 from services.router.config import RouterConfig
 from services.router.engines import EngineTable
-from shared.protocol import KvFormat, LoadReport, RouteCapability, TokenBatch
+from shared.protocol import COMPUTE_RATE, PROMPT_RATE, KvFormat, LoadReport, RouteCapability, TokenBatch
 from shared.protocol.messages import SamplingParams, TokenDelta
 from shared.protocol.tasks import KvPlan, RequestPlan
 
@@ -27,12 +28,16 @@ PD = (("pe", "prefill", 0), ("de", "decode", 1), ("s0", "storage", 0), ("s1", "s
 
 
 def dispatch(
-    services: tuple[tuple[str, str, int], ...] = COLOCATED, decode_engines: str = "session"
+    services: tuple[tuple[str, str, int], ...] = COLOCATED,
+    decode_engines: str = "session",
+    engine_rates: dict[str, float] | None = None,
 ) -> AutoDispatch:
     engines = EngineTable(silence_timeout_s=3.0)
     now = time.monotonic()
     for i, (engine_id, role, node) in enumerate(services):
-        rates = {"prefill_tokens_per_s": 2000.0} if role != "storage" else {"read_bandwidth_bytes_per_s": 1e8}
+        rates = {"read_bandwidth_bytes_per_s": 1e8}
+        if role != "storage":
+            rates = engine_rates or {PROMPT_RATE: 2000.0, COMPUTE_RATE: 2000.0}
         report = LoadReport(
             service_id=engine_id,
             role=role,
@@ -69,6 +74,27 @@ def test_the_engine_holding_the_prefix_wins_until_the_ledger_says_it_is_busy() -
     d.ledger.add("e1", "earlier", time.monotonic() + 30.0)  # e1 has 30 s of predicted work queued
     assert d._pick(snapshots, plan("b"), locality) == "e0"
     assert d._picked["b"].chosen.label == "local/storage"
+
+
+@pytest.mark.parametrize("decode_engines", ["colocated", "pd"])
+def test_without_a_profile_new_tokens_are_priced_at_the_compute_rate_not_the_prompt_rate(
+    decode_engines: str,
+) -> None:
+    """An agent's engines load 95% of every prompt: their prompt rate (loaded + computed tokens a second)
+    is 40x their compute rate. Priced at the prompt rate, recomputing a 2,058-token context took 26 ms
+    against 84 ms to read it from storage, so auto recomputed it (and measured ~400 ms on this host);
+    priced at the compute rate it reads it."""
+    services = COLOCATED if decode_engines == "colocated" else PD
+    d = dispatch(services, engine_rates={PROMPT_RATE: 80_000.0, COMPUTE_RATE: 2_000.0})
+    assert d.profiles().costs.prefill_s(0, 2000) == pytest.approx(1.0)  # 2,000 tokens at 2,000 a second
+    roles = ("colocated",) if decode_engines == "colocated" else ("prefill", "decode")
+    snapshots = list(d.engines.engine_snapshots(64, roles))
+    assert d._pick(snapshots, plan("long"), {"store": 32}) is not None
+    chosen = d._picked["long"].chosen
+    assert chosen.label.endswith("/storage") and chosen.ttft_s < 0.5, chosen
+    unmeasured = dispatch(services, engine_rates={PROMPT_RATE: 80_000.0})  # no step computed alone yet
+    fallback = 2000 / FALLBACK_PREFILL_TOKENS_PER_S
+    assert unmeasured.profiles().costs.prefill_s(0, 2000) == pytest.approx(fallback)
 
 
 def test_a_decision_is_counted_closed_by_its_first_token_and_its_residual_learned() -> None:
