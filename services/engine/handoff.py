@@ -16,7 +16,7 @@ from gpu.sampling import GREEDY_BELOW
 from services.engine.connector_context import ConnectorContext
 from services.engine.node_storage import NodeStorage
 from services.engine.receive_area import DONE_LAYER, DRAIN_GRACE_S, Extent, ReceiveArea
-from services.engine.sequence import Sequence
+from services.engine.sequence import SeqStatus, Sequence
 from shared.blocks import blocks_for
 from shared.errors import KvpathError, ProtocolError
 from shared.protocol import decode
@@ -53,7 +53,8 @@ class DeBuffer:
 
     async def wait_done(self, seq: Sequence, handoff: Handoff) -> PrefillDone | None:
         """Wait (until the request's deadline) for the PE's DONE. None when the hand-off failed (the
-        sequence's error is set); else a DONE with a first token."""
+        sequence's error is set); else a DONE with a first token, or one whose first token ended the
+        request on the PE (`finish_reason`, no token: the DE finishes it without one)."""
         remaining = max(0.01, seq.deadline_unix_s - time.time())
         pe_id = handoff.pe_id
         try:
@@ -68,7 +69,10 @@ class DeBuffer:
             seq.error_engine = pe_id
             return None
         handoff.is_done = True
-        if done.error or done.first_token is None:
+        # a DONE without a first token: the PE's first token ended the request (EOS, a stop token), unless
+        # another choice still needs the prompt (it needs the first token too)
+        ended = bool(done.finish_reason) and all(c.status is SeqStatus.FINISHED for c in seq.pending_choices)
+        if done.error or (done.first_token is None and not ended):
             seq.error_code = "engine_failed"
             seq.error_message = f"prefill on {pe_id} failed: {done.error or 'no first token'}"
             return None
@@ -101,7 +105,7 @@ class DeBuffer:
 def take_over(seq: Sequence, done: PrefillDone) -> None:
     """The sequence goes on from the PE's first token, its whole prompt's KV handed over (a load-only
     chunk imports it: nothing to compute)."""
-    assert done.first_token is not None, "DeBuffer.wait_done returns only DONEs with a first token"
+    assert done.first_token is not None, "a DONE without a first token ended the request (wait_done)"
     seq.output_token_ids = [done.first_token]
     seq.next_delta_seq = 1  # delta 0 (the first token) came from the PE
     seq.num_hit_tokens = seq.num_prompt_tokens

@@ -12,6 +12,7 @@ import aiohttp
 import orjson
 import pytest
 
+from gpu.model_spec import load_model_spec
 from shared.bus import Bus, Registry
 from shared.protocol import ServiceInfo
 from tests.cluster import Stack, UpProcess, wait_ready
@@ -217,6 +218,34 @@ async def new_incarnation(bus: Bus, service_id: str, old_url: str) -> None:
 async def router_engines(http: aiohttp.ClientSession, url: str) -> int:
     async with http.get(f"{url}/health") as resp:
         return int((await resp.json())["engines"])
+
+
+async def test_a_first_token_that_ends_the_request_on_the_pe_ends_it_cleanly(
+    disagg: UpProcess, model: str, http: aiohttp.ClientSession
+) -> None:
+    """EOS as the first token (a logit bias forces it): the PE ends the request and tells the DE so, without
+    a token. The DE used to take that DONE for a failed prefill and send the router an error, which raced
+    the PE's own "stop": a 502 now and then (the compose test's chat at temperature 1 met it)."""
+    de_url = next(u for name, u in disagg.services.items() if name.startswith("de"))
+    eos = load_model_spec(model).eos_token_ids[0]
+    errors = 'kvpath_engine_requests_finished_total{reason="error"}'
+    before = await labelled_metric(http, de_url, errors)
+    for i in range(3):
+        prompt = f"{uuid.uuid4().hex} ends at once {i}"
+        body = {"model": model, "prompt": prompt, "max_tokens": 8, "logit_bias": {str(eos): 100}}
+        async with http.post(f"{disagg.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            out = await resp.json()
+        assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 0
+    assert await labelled_metric(http, de_url, errors) == before  # the DE finished them, not as errors
+
+
+async def labelled_metric(http: aiohttp.ClientSession, url: str, sample: str) -> float:
+    """One labelled sample of a Prometheus family (0 when it has not been counted yet)."""
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    found = re.search(rf"^{re.escape(sample)} ([0-9.e+-]+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 async def test_n_choices_prefill_once_on_the_pe_and_fork_on_the_de(
