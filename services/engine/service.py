@@ -56,7 +56,7 @@ class EngineService(Service):
         self.core = EngineCore(
             self.config, self.runner, self.service_id, self._publish_tokens, self.connector
         )
-        # AMPD's Algorithm 2 (`--prefill-order slo`), from the prefill rate the core measures
+        # AMPD's Algorithm 2 (`--prefill-order slo`), from the compute rate the core measures
         self.core.scheduler.prefill_order = build_prefill_order(self.config, self.core.prefill_rates.compute)
         metrics.KV_BLOCKS_TOTAL.set(self.runner.kv.num_blocks)
         handlers = EngineHandlers(self.core, self.report_load_now)

@@ -65,7 +65,6 @@ from shared.protocol import KvPlan, RequestPlan, TokenBatch
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True, slots=True)
 class SessionParams:
     mode: str  # one of services.policy.ampd.MODES
