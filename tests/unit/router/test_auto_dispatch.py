@@ -76,18 +76,18 @@ def test_the_engine_holding_the_prefix_wins_until_the_ledger_says_it_is_busy() -
     assert d._picked["b"].chosen.label == "local/storage"
 
 
-@pytest.mark.parametrize("decode_engines", ["colocated", "pd"])
+@pytest.mark.parametrize("topology", ["colocated", "pd"])
 def test_without_a_profile_new_tokens_are_priced_at_the_compute_rate_not_the_prompt_rate(
-    decode_engines: str,
+    topology: str,
 ) -> None:
     """An agent's engines load 95% of every prompt: their prompt rate (loaded + computed tokens a second)
     is 40x their compute rate. Priced at the prompt rate, recomputing a 2,058-token context took 26 ms
     against 84 ms to read it from storage, so auto recomputed it (and measured ~400 ms on this host);
     priced at the compute rate it reads it."""
-    services = COLOCATED if decode_engines == "colocated" else PD
+    services = COLOCATED if topology == "colocated" else PD
     d = dispatch(services, engine_rates={PROMPT_RATE: 80_000.0, COMPUTE_RATE: 2_000.0})
     assert d.profiles().costs.prefill_s(0, 2000) == pytest.approx(1.0)  # 2,000 tokens at 2,000 a second
-    roles = ("colocated",) if decode_engines == "colocated" else ("prefill", "decode")
+    roles = ("colocated",) if topology == "colocated" else ("prefill", "decode")
     snapshots = list(d.engines.engine_snapshots(64, roles))
     assert d._pick(snapshots, plan("long"), {"store": 32}) is not None
     chosen = d._picked["long"].chosen
