@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu.kv_cache import TORCH_DTYPES
+from gpu.reference import load_transformers
 from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq
 from gpu.sampling import SamplingOptions
 
@@ -197,13 +197,9 @@ def _row(
 
 
 def _load_transformers(runner: ModelRunner) -> Any:
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(runner.spec.model_dir, dtype=TORCH_DTYPES[runner.dtype])
+    model = load_transformers(runner.spec.model_dir, runner.dtype)  # a folder or a GGUF file
     model.generation_config.eos_token_id = None  # always generate exactly the asked number of tokens
-    return model.to(runner.device).eval()
+    return model.to(runner.device)
 
 
 def run_timings(config: TimingConfig) -> list[TimingRow]:

@@ -2,67 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import warnings
-from collections.abc import Iterator
 from typing import Any
-from unittest import mock
+
+from gpu.model_spec import resolve_model
+from gpu.reference import GGUFReaders, load_tokenizer, load_transformers
 
 
 class SmolLM2Reference:
-    """Greedy tokens and log-probabilities of transformers' SmolLM2, loaded on first use."""
+    """Greedy tokens and log-probabilities of transformers' SmolLM2, loaded on first use (by the loader of
+    `kvpath bench model`, which parses the GGUF file once for the model and the tokenizer together)."""
 
     def __init__(self) -> None:
-        self._gguf_readers: dict[tuple[str, str], Any] = {}  # (path, mode) -> gguf.GGUFReader
-
-    @contextlib.contextmanager
-    def _gguf_parsed_once(self) -> Iterator[None]:
-        """transformers' GGUF loader parses the file's metadata at each step (config, weights, tokenizer:
-        4 s each for SmolLM2's 49k-token vocabulary) and rebuilds gguf's tensor-name map for each of the
-        model's 400 modules (5 s); both are pure functions of their arguments, so while transformers loads
-        the file each is computed once (15 s -> 8.5 s). What transformers loads, and how, is unchanged."""
-        import gguf
-
-        read, name_map = gguf.GGUFReader, functools.cache(gguf.get_tensor_name_map)
-
-        def reader(path: str, mode: str = "r") -> Any:
-            key = (str(path), mode)
-            if key not in self._gguf_readers:
-                self._gguf_readers[key] = read(path, mode)
-            return self._gguf_readers[key]
-
-        with (
-            mock.patch.object(gguf, "GGUFReader", reader),
-            mock.patch.object(gguf, "get_tensor_name_map", name_map),
-        ):
-            yield
+        self._gguf_readers: GGUFReaders = {}
 
     @functools.cached_property
     def model(self) -> Any:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from gpu.model_spec import resolve_model
-
-        path = resolve_model("smollm2")
-        with warnings.catch_warnings(), self._gguf_parsed_once():
-            warnings.simplefilter("ignore")  # progress bars and deprecation notes of the GGUF loader
-            model = AutoModelForCausalLM.from_pretrained(
-                path.parent, gguf_file=path.name, dtype=torch.float32
-            )
-        return model.eval()
+        return load_transformers(resolve_model("smollm2"), readers=self._gguf_readers)
 
     @functools.cached_property
     def tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
-        from gpu.model_spec import resolve_model
-
-        path = resolve_model("smollm2")
-        with warnings.catch_warnings(), self._gguf_parsed_once():
-            warnings.simplefilter("ignore")
-            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return load_tokenizer(resolve_model("smollm2"), readers=self._gguf_readers)
 
     @functools.lru_cache(maxsize=32)  # noqa: B019 (one instance per session)
     def greedy(self, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from gpu.model_spec import resolve_model
 from gpu.timing import TimingConfig, run_timings, torch_threads
 from loadgen.bench.model import format_table, rows_json
 from services.cli import main as cli_main
+from tests.unit.gpu.gguf_writer import write_tiny_gguf
 
 
 def test_bench_model_runs_side_by_side(model_cache: str, tmp_path: Path) -> None:
@@ -36,6 +38,18 @@ def test_bench_model_runs_side_by_side(model_cache: str, tmp_path: Path) -> None
     assert "tiny-mla" in table and "hf decode" in table
     payload = json.loads(rows_json(rows, config, torch_threads()))
     assert len(payload["rows"]) == 4 and payload["torch_threads"] >= 1
+
+
+def test_bench_model_times_a_gguf_file_next_to_transformers_own_gguf_loader(
+    model_cache: str, tmp_path: Path
+) -> None:
+    """The served default (SmolLM2) is a GGUF file: transformers must load it with `gguf_file`, not as a
+    folder (it raised "not a valid JSON file" before)."""
+    gguf_path = write_tiny_gguf(Path(resolve_model("tiny", model_cache)), tmp_path / "tiny-f32.gguf")
+    config = TimingConfig(models=[str(gguf_path)], batch_sizes=[1], prompt_len=8, new_tokens=3, repeats=1)
+    [row] = run_timings(config)
+    assert row.model == str(gguf_path) and row.decode_tok_s > 0
+    assert row.hf_prefill_tok_s and row.hf_decode_tok_s and row.decode_speedup
 
 
 def test_bench_model_command(model_cache: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
