@@ -10,6 +10,8 @@ client (a test/bench-only dependency: the `test` extra of pyproject.toml, never 
                prefill (time to every choice's first token about the same as one choice's)
   timing       TTFT and decode tokens/s of a streamed greedy answer, and the same answer under a JSON-schema
                grammar: the difference of their inter-token times is the grammar's cost per token end to end
+  context      one session with a long context (loadgen/bench/agent_context.py): each later turn must hit
+               >= 90% of its prompt in the KV store
 
 Prints a summary, writes everything with --json, exits 1 when an item fails.
 """
@@ -24,6 +26,11 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from loadgen.bench.agent_context import long_context_session
+from loadgen.bench.agent_context import summary_line as context_summary
+
+PARTS = ("agent", "json", "choices", "timing", "logprobs", "context")
 
 WEATHER = {
     "type": "object",
@@ -91,7 +98,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timing-tokens", type=int, default=64, help="tokens of each timed answer")
     p.add_argument("--timing-runs", type=int, default=3, help="timed answers of each kind")
     p.add_argument("--reference", action="store_true", help="compare logprobs with transformers (smollm2)")
-    p.add_argument("--only", default="", help="comma-separated parts: agent, json, choices, timing, logprobs")
+    p.add_argument("--context-tokens", type=int, default=3000, help="context of the long-context session")
+    p.add_argument("--context-turns", type=int, default=6, help="turns of the long-context session")
+    p.add_argument("--only", default="", help=f"comma-separated parts: {', '.join(PARTS)}")
     p.add_argument("--json", default="", help="also write the results to this file")
     p.set_defaults(func=run)
 
@@ -115,9 +124,11 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     async with openai.AsyncOpenAI(
         base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600
     ) as client:
-        model = args.model or (await client.models.list()).data[0].id
+        models = (await client.models.list()).data
+        model = args.model or models[0].id
+        vocab = next((int((m.model_extra or {}).get("vocab_size", 0)) for m in models if m.id == model), 0)
         out: dict[str, Any] = {"model": model, "url": url}
-        parts = set(args.only.split(",")) if args.only else {"agent", "json", "choices", "timing", "logprobs"}
+        parts = set(args.only.split(",")) if args.only else set(PARTS)
         if "agent" in parts:
             out["agent_auto"] = await agent_loop(client, model, args.turns, "auto")
             out["agent_required"] = await agent_loop(client, model, args.turns, "required")
@@ -129,6 +140,10 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             out["timing"] = await timing(client, model, args.timing_tokens, args.timing_runs)
         if args.reference and "logprobs" in parts:
             out["logprobs"] = await logprobs_vs_transformers(client, model)
+        if "context" in parts:
+            out["context"] = await long_context_session(
+                client, model, args.context_tokens, args.context_turns, vocab_size=vocab
+            )
     out["ok"] = _passed(out)
     return out
 
@@ -140,7 +155,8 @@ def _passed(out: dict[str, Any]) -> bool:
         calls_ok = calls_ok and out["agent_required"]["num_calls"] > 0
     schema = out.get("json_schema", {"num_valid": 0, "num_samples": 0})
     logprobs_ok = "logprobs" not in out or out["logprobs"]["max_abs_diff"] < 1e-3
-    return calls_ok and schema["num_valid"] == schema["num_samples"] and logprobs_ok
+    context_ok = "context" not in out or out["context"]["ok"]
+    return calls_ok and schema["num_valid"] == schema["num_samples"] and logprobs_ok and context_ok
 
 
 # ------------------------------------------------------------------------------------------ agent loop
@@ -378,5 +394,7 @@ def format_summary(out: dict[str, Any]) -> str:
             f"logprobs vs transformers: {lp['num_tokens']} greedy tokens, equal={lp['greedy_tokens_equal']}, "
             f"max |diff| {lp['max_abs_diff']:.2e}"
         )
+    if (lc := out.get("context")) is not None:
+        lines.append(context_summary(lc))
     lines.append("PASS" if out["ok"] else "FAIL")
     return "\n".join(lines)

@@ -53,10 +53,16 @@ class ColocatedConnector(KvConnector):
         persist_kv: bool,
         engine_id: str = "",
         tier: KvTier | None = None,
+        step_tokens: int = 2048,
+        staging_bytes: int = 0,
     ) -> None:
+        """`step_tokens`, `staging_bytes`: NodeStorage's."""
         self.kv = runner.kv
         self.block_size = block_size
-        self.storage = NodeStorage(bus, runner, node=node, block_size=block_size, engine_id=engine_id)
+        self.storage = NodeStorage(
+            bus, runner, node=node, block_size=block_size, engine_id=engine_id,
+            step_tokens=step_tokens, staging_bytes=staging_bytes,
+        )  # fmt: skip
         self.persister = self.storage.persister
         self.load_kv = load_kv
         self.persist_kv = persist_kv

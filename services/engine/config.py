@@ -17,13 +17,20 @@ class EngineConfig(BaseConfig):
     device: str = doc("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = doc("", "model and KV dtype; default float32 on CPU, bfloat16 on CUDA")
     block_size: int = doc(DEFAULT_BLOCK_SIZE, "KV block size in tokens (same as the block store's)")
-    kv_cache_bytes: int = doc(256 * 1024 * 1024, "bytes of paged KV cache (ignored when num_kv_blocks > 0)")
+    kv_cache_bytes: int = doc(
+        0,
+        "bytes of paged KV cache (ignored when num_kv_blocks > 0); 0: room for two sequences of the model's "
+        "full length and at least 256 MiB on CPU, half the free GPU memory on CUDA",
+    )
     num_kv_blocks: int = doc(0, "paged KV cache size in blocks; 0 derives it from kv_cache_bytes")
     max_num_seqs: int = doc(64, "most sequences in one decode batch")
     max_num_batched_tokens: int = doc(2048, "prefill token budget per step (chunked prefill beyond it)")
     max_waiting: int = doc(1024, "tasks queued beyond this are refused (the router tries elsewhere or 429)")
     num_threads: int = doc(0, "torch CPU threads; 0 keeps torch's default")
     persist_kv: bool = doc(True, "persist every full block through the node's storage service")
+    storage_staging_bytes: int = doc(
+        0, "staging of the blocks persisted through storage; 0: two prefill steps' full blocks, >= 64 MiB"
+    )
     kv_bind_host: str = doc(
         "127.0.0.1", "address the KV data-plane receiver listens on (prefill/decode roles)"
     )
@@ -90,12 +97,8 @@ class EngineConfig(BaseConfig):
             "must be a power of two",
         )
         check(self.num_kv_blocks >= 0, "num_kv_blocks", self.num_kv_blocks, "must be >= 0")
-        check(
-            self.num_kv_blocks > 0 or self.kv_cache_bytes > 0,
-            "kv_cache_bytes",
-            self.kv_cache_bytes,
-            "must be > 0 when num_kv_blocks is 0",
-        )
+        check(self.storage_staging_bytes >= 0, "storage_staging_bytes", self.storage_staging_bytes, ">= 0")
+        check(self.kv_cache_bytes >= 0, "kv_cache_bytes", self.kv_cache_bytes, "must be >= 0 (0: the default)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         check(

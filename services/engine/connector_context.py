@@ -23,6 +23,8 @@ class ConnectorContext:
     peers: PeerPool  # connections to other engines' regions
     transfer_timeout_s: float  # one data-plane operation with a peer
     tier: Any = None  # the KV tier above storage (`--kv-pool`: the pool), None: none; its connector closes it
+    step_tokens: int = 2048  # prefill tokens per step (sizes the persister's staging)
+    staging_bytes: int = 0  # the persister's staging segment; 0: sized for step_tokens
 
     @property
     def kv(self) -> Any:
@@ -35,5 +37,6 @@ class ConnectorContext:
     def node_storage(self) -> NodeStorage:
         """A new link to the node's storage service (the connector owns it: start and close it)."""
         return NodeStorage(
-            self.bus, self.runner, node=self.node, block_size=self.block_size, engine_id=self.engine_id
-        )
+            self.bus, self.runner, node=self.node, block_size=self.block_size, engine_id=self.engine_id,
+            step_tokens=self.step_tokens, staging_bytes=self.staging_bytes,
+        )  # fmt: skip

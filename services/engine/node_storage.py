@@ -24,10 +24,36 @@ from shared.kvclient import IndexClient, ReadLease, StorageClient
 log = logging.getLogger(__name__)
 
 
+MIN_STAGING_BYTES = 64 * 1024 * 1024
+
+
+def staging_bytes_for(layout: BlockLayout, step_tokens: int) -> int:
+    """The persister's staging segment: room for the blocks two prefill steps of `step_tokens` fill (one
+    step's staged while the last one's are written), at least MIN_STAGING_BYTES. A model with much KV
+    per token (SmolLM2 in fp32: 2.9 MB per block of 64 tokens) fills 64 MiB in 22 blocks, less than a
+    step of 2,048 tokens."""
+    step_blocks = -(-step_tokens // layout.block_size) + 1  # a chunk may complete one block it did not start
+    return max(MIN_STAGING_BYTES, 2 * layout.blocks_bytes(step_blocks))
+
+
 class NodeStorage:
-    def __init__(self, bus: Bus, runner: Any, *, node: int, block_size: int, engine_id: str) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        runner: Any,
+        *,
+        node: int,
+        block_size: int,
+        engine_id: str,
+        step_tokens: int = 2048,
+        staging_bytes: int = 0,
+    ) -> None:
+        """`step_tokens`: the engine's prefill tokens per step; `staging_bytes` 0: staging_bytes_for it."""
         self.layout = BlockLayout(runner.spec.num_layers, block_size, runner.kv.bytes_per_token_layer)
-        self.client = StorageClient(bus, node, self.layout, runner.fingerprint, owner_id=engine_id)
+        staging = staging_bytes or staging_bytes_for(self.layout, step_tokens)
+        self.client = StorageClient(
+            bus, node, self.layout, runner.fingerprint, staging_bytes=staging, owner_id=engine_id
+        )
         self.persister = BlockPersister(self.client, IndexClient(bus), runner.kv, block_size)
         self._background = Background()
 

@@ -8,8 +8,10 @@ blocks generated tokens fill. A sequence's progress is its `PersistChain`, kept 
 (bounded by PERSIST_WAIT_S), so the next turn of a session hits them. No request waits on an index that is
 down or lagging: after one wait fails, finishing requests wait only for their writes to be durable until a
 background probe sees the index apply events again (it replays them from JetStream when it is back).
-A block that cannot be staged breaks the chain: later blocks of that sequence could never be matched, so
-they are not written either.
+Blocks are staged in chain order, as many as the staging segment has room for: when it is full (earlier
+writes still on their way), the rest wait for the sequence's next step. Blocks still unstaged when the
+request finishes are not persisted (counted as `staging_full`, logged at most every STAGING_WARN_S); the
+engine sizes the segment so that this takes writes slower than the steps that fill blocks.
 """
 
 from __future__ import annotations
@@ -33,14 +35,16 @@ log = logging.getLogger(__name__)
 
 PERSIST_WAIT_S = 2.0  # longest a finished request waits for its blocks to become durable
 INDEX_PROBE_S = 5.0  # one wait of the probe that watches a lagging index catch up
+STAGING_WARN_S = 60.0  # at most one warning this often about blocks lost to a full staging segment
 
 
 @dataclass(slots=True)
 class PersistChain:
     """How far one sequence's blocks are persisted, and the writes on their way."""
 
-    num_persisted_blocks: int  # leading blocks already in the store (loaded or written)
-    is_broken: bool = False
+    num_persisted_blocks: int  # leading blocks already in the store (loaded or written), or staged
+    num_unstaged_blocks: int = 0  # full blocks after those that the staging segment had no room for yet
+    is_broken: bool = False  # staging failed: later blocks could never be matched, so none is written
     writes: list[asyncio.Task[int]] = field(default_factory=list)
 
 
@@ -68,24 +72,30 @@ class BlockPersister:
         self.seed = fingerprint_seed(client.fingerprint)
         self._background = Background()  # every write in flight (cancelled on close)
         self.index_lagging = False  # requests do not wait on the index (a probe watches it catch up)
+        self._staging_warned_at = -STAGING_WARN_S
 
     def persist(self, seq: Sequence, chain: PersistChain) -> None:
-        """Write the sequence's blocks that became full since the last call."""
+        """Write the sequence's blocks that became full since the last call (the leading ones that fit in
+        the staging segment now; the rest at a later call)."""
         full = seq.num_computed_tokens // self.block_size
         start = chain.num_persisted_blocks
         if full <= start or chain.is_broken:
             return
+        chain.num_unstaged_blocks = full - start
         try:
-            staged = self.client.stage(full - start)
+            staged = self.client.stage_up_to(full - start)
         except KvpathError as exc:
             metrics.KV_PERSIST_FAILURES.labels(exc.code).inc(full - start)
-            chain.is_broken = True
+            chain.is_broken, chain.num_unstaged_blocks = True, 0
             return
-        self.kv.export_blocks(seq.block_ids[start:full], staged.views)
-        chained = extend_hashes(seq, full, self.seed, self.block_size)
-        hashes = chained[start:full]
+        if staged is None:
+            return  # the staging segment is full: the sequence's next step tries again
+        end = start + staged.num_blocks
+        self.kv.export_blocks(seq.block_ids[start:end], staged.views)
+        chained = extend_hashes(seq, end, self.seed, self.block_size)
+        hashes = chained[start:end]
         parents = [chained[start - 1] if start else root_of(seq, self.seed), *hashes[:-1]]
-        chain.num_persisted_blocks = full
+        chain.num_persisted_blocks, chain.num_unstaged_blocks = end, full - end
         # the write's bus request (and the storage service's span) belongs to the request's trace
         context = telemetry.task_context(seq.trace.parent) if seq.trace is not None else None
         write = asyncio.create_task(self._write(seq.request_id, staged, hashes, parents), context=context)
@@ -109,9 +119,24 @@ class BlockPersister:
 
     def finish(self, request_id: str, chain: PersistChain) -> Awaitable[None] | None:
         """The awaitable (None: nothing written) that ends once the chain's writes are indexed."""
+        if chain.num_unstaged_blocks:
+            self._lost_to_staging(request_id, chain.num_unstaged_blocks)
+            chain.num_unstaged_blocks = 0
         if not chain.writes:
             return None
         return self._wait_indexed(request_id, chain.writes)
+
+    def _lost_to_staging(self, request_id: str, num_blocks: int) -> None:
+        metrics.KV_PERSIST_FAILURES.labels("staging_full").inc(num_blocks)
+        now = time.monotonic()
+        if now - self._staging_warned_at >= STAGING_WARN_S:
+            self._staging_warned_at = now
+            log.warning(
+                "request_id=%s finished with %d full blocks not persisted: the staging segment (%d B) "
+                "stayed full; raise the engine's storage_staging_bytes (logged at most every %.0f s)",
+                request_id, num_blocks, self.client.staging_bytes, STAGING_WARN_S,
+                extra={"request_id": request_id},
+            )  # fmt: skip
 
     async def _wait_indexed(self, request_id: str, writes: list[asyncio.Task[int]]) -> None:
         deadline = time.monotonic() + PERSIST_WAIT_S

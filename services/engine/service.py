@@ -166,7 +166,7 @@ def load_runner(config: EngineConfig) -> Any:
         dtype=config.dtype or None,
         block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks or None,
-        kv_cache_bytes=None if config.num_kv_blocks else config.kv_cache_bytes,
+        kv_cache_bytes=config.kv_cache_bytes or None,  # num_kv_blocks, when set, wins
         cache_dir=config.model_cache_dir or None,
         num_threads=config.num_threads or None,
     )
@@ -182,6 +182,7 @@ def build_connector(config: EngineConfig, service: EngineService) -> KvConnector
 
     runner, bus, engine_id = service.runner, service.bus, service.service_id
     common: dict[str, Any] = {"engine_id": engine_id, "node": config.node, "block_size": config.block_size}
+    common |= {"step_tokens": config.max_num_batched_tokens, "staging_bytes": config.storage_staging_bytes}
     return ColocatedConnector(
         bus, runner, load_kv=config.load_kv, persist_kv=config.persist_kv, tier=service.upper_tier, **common
     )
@@ -201,6 +202,8 @@ def build_disaggregated_connector(config: EngineConfig, service: EngineService) 
         peers=service.peers,
         transfer_timeout_s=config.transfer_timeout_s,
         tier=service.upper_tier,
+        step_tokens=config.max_num_batched_tokens,
+        staging_bytes=config.storage_staging_bytes,
     )
     if config.role == "prefill":
         from services.engine.prefill_connector import PrefillConnector

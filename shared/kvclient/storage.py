@@ -236,6 +236,14 @@ class StorageClient:
         views = self.layout.full_blocks_view(self._staging_array, offset, num_blocks)
         return StagedBlocks(offset, num_blocks, views)
 
+    def stage_up_to(self, num_blocks: int) -> StagedBlocks | None:
+        """Stage as many of `num_blocks` blocks as one free extent of the staging segment holds now (the
+        leading ones of a larger write; the rest once earlier writes free space); None when not one fits."""
+        if self._staging_alloc is None:
+            raise ServiceUnavailableError("StorageClient not started")
+        fit = min(num_blocks, self._staging_alloc.largest_free_bytes // self.layout.full_block_bytes)
+        return self.stage(fit) if fit > 0 else None
+
     def unstage(self, staged: StagedBlocks) -> None:
         if self._staging_alloc is not None and staged.num_blocks:
             self._staging_alloc.free(staged.offset)
