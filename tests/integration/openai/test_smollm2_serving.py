@@ -70,3 +70,23 @@ async def test_greedy_turns_equal_transformers_cold_and_from_the_kv_store(
     assert cached >= len(prompt) // BLOCK * BLOCK  # turn 1's full blocks were loaded, not recomputed
     expected = smollm2_reference.greedy(tuple(second["prompt_token_ids"]), NEW_TOKENS)
     assert second["choices"][0]["token_ids"] == expected
+
+
+async def test_a_context_past_one_staging_segment_is_stored_and_the_cache_holds_two_full_contexts(
+    smollm2_cluster: UpProcess, http: aiohttp.ClientSession
+) -> None:
+    """SmolLM2's fp32 blocks are 2.9 MB: a 1,600-token first step fills 25, more than the 64 MiB staging
+    segment of before held (22), which lost the whole chain, so the next turn recomputed everything."""
+    url = smollm2_cluster.url
+    prompt = [300 + (i * 7919) % 19_000 for i in range(1600)]
+    for turn, tokens in enumerate((prompt, [*prompt, *range(400, 420)])):
+        body = {"model": "smollm2", "prompt": tokens, "max_tokens": 1, "temperature": 0}
+        async with http.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            cached = (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (0 if turn == 0 else len(prompt) // BLOCK * BLOCK), (turn, cached)
+    engine = next(u for name, u in smollm2_cluster.services.items() if name.startswith("engine"))
+    async with http.get(f"{engine}/metrics") as resp:
+        metrics = await resp.text()
+    total = next(line for line in metrics.splitlines() if line.startswith("kvpath_engine_kv_blocks_total"))
+    assert float(total.split()[-1]) >= 2 * 8192 // BLOCK  # two sequences of SmolLM2's full context
