@@ -52,7 +52,8 @@ __all__ = ["DecodeSeq", "LayerHook", "ModelRunner", "PrefillSeq", "SamplingOptio
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 DEFAULT_CPU_KV_BYTES = 256 << 20
-CPU_KV_CONTEXTS = 2  # full-length sequences the default CPU cache holds (SmolLM2 fp32: 2 x 8,192 tokens, 755 MB)
+CPU_KV_CONTEXTS = 2  # full-length sequences the default CPU cache holds (SmolLM2 fp32: 2 x 8,192 tokens)
+MAX_DEFAULT_CPU_KV_BYTES = 4 << 30  # a long-context model's default CPU cache (allocated, zeroed, at start)
 CUDA_KV_FRACTION = 0.5  # of the memory still free after loading the weights
 
 
@@ -143,8 +144,8 @@ class ModelRunner:
         num_threads: int | None = None,
     ) -> ModelRunner:
         """Load weights and tokenizer, and allocate the paged cache (`num_kv_blocks`, or as many blocks as
-        fit in `kv_cache_bytes`, or a default: on CPU room for CPU_KV_CONTEXTS full-length sequences and at
-        least 256 MiB, on CUDA half the free GPU memory). `device` "auto" picks CUDA when it is available,
+        fit in `kv_cache_bytes`, or a default: on CPU room for CPU_KV_CONTEXTS full-length sequences, 256 MiB
+        to 4 GiB, on CUDA half the free GPU memory). `device` "auto" picks CUDA when it is available,
         else the CPU."""
         device = resolve_device(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -345,7 +346,7 @@ def _default_num_blocks(
             kv_cache_bytes = int(free_bytes * CUDA_KV_FRACTION)
         else:
             contexts = CPU_KV_CONTEXTS * context_blocks * full_block_bytes
-            kv_cache_bytes = max(DEFAULT_CPU_KV_BYTES, contexts)
+            kv_cache_bytes = min(MAX_DEFAULT_CPU_KV_BYTES, max(DEFAULT_CPU_KV_BYTES, contexts))
     num_blocks = kv_cache_bytes // full_block_bytes
     if num_blocks < 1:
         raise ConfigError(

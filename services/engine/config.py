@@ -7,6 +7,22 @@ from dataclasses import dataclass
 from shared.config import DEFAULT_BLOCK_SIZE, BaseConfig, check, doc
 
 ROLES = ("colocated", "prefill", "decode")
+PROMPT_BUFFER_FLOOR = 256 * 1024 * 1024
+PROMPT_BUFFER_CEILING = 4 * 1024 * 1024 * 1024  # a long-context model's default (set more explicitly)
+PROMPT_BUFFER_PROMPTS = 2  # whole prompts of the model's full length a default prompt buffer holds
+_PROMPTS = "; 0: two prompts of the model's full length, 256 MiB to 4 GiB"
+
+
+def prompt_buffer_bytes(configured: int, full_block_bytes: int, max_model_len: int, block_size: int) -> int:
+    """A buffer that holds whole prompts' KV (a DE buffer, a PE's staging or receive area): `configured`, or
+    for 0 room for PROMPT_BUFFER_PROMPTS prompts of the model's full length, between PROMPT_BUFFER_FLOOR
+    and PROMPT_BUFFER_CEILING. A fixed 256 MiB holds 5,800 tokens of SmolLM2's fp32 KV, under its
+    8,192-token context: a longer prompt was refused (429) on every disaggregated cluster, however idle."""
+    if configured:
+        return configured
+    context_blocks = -(-max_model_len // block_size)
+    prompts = PROMPT_BUFFER_PROMPTS * context_blocks * full_block_bytes
+    return min(PROMPT_BUFFER_CEILING, max(PROMPT_BUFFER_FLOOR, prompts))
 
 
 @dataclass(slots=True)
@@ -20,7 +36,7 @@ class EngineConfig(BaseConfig):
     kv_cache_bytes: int = doc(
         0,
         "bytes of paged KV cache (ignored when num_kv_blocks > 0); 0: room for two sequences of the model's "
-        "full length and at least 256 MiB on CPU, half the free GPU memory on CUDA",
+        "full length, 256 MiB to 4 GiB, on CPU, half the free GPU memory on CUDA",
     )
     num_kv_blocks: int = doc(0, "paged KV cache size in blocks; 0 derives it from kv_cache_bytes")
     max_num_seqs: int = doc(64, "most sequences in one decode batch")
@@ -35,9 +51,9 @@ class EngineConfig(BaseConfig):
         "127.0.0.1", "address the KV data-plane receiver listens on (prefill/decode roles)"
     )
     kv_backends: list[str] = doc(["shm", "rdma", "tcp"], "KV data-plane backends this engine may use")  # noqa: RUF009
-    de_buffer_bytes: int = doc(256 * 1024 * 1024, "decode role: DRAM buffer receiving prompt KV from PEs")
-    pe_receive_bytes: int = doc(256 * 1024 * 1024, "prefill role: area receiving stored prefixes from DEs")
-    pe_staging_bytes: int = doc(256 * 1024 * 1024, "prefill role: staging of KV sent to DE buffers")
+    de_buffer_bytes: int = doc(0, f"decode role: DRAM buffer receiving prompt KV from PEs{_PROMPTS}")
+    pe_receive_bytes: int = doc(0, f"prefill role: area receiving stored prefixes from DEs{_PROMPTS}")
+    pe_staging_bytes: int = doc(0, f"prefill role: staging of KV sent to DE buffers{_PROMPTS}")
     transfer_timeout_s: float = doc(30.0, "deadline of one KV transfer or notice between engines")
     compute_quota_s: float = doc(
         0.3, "prefill role: predicted attention-layer time per batch, DualPath's quota (0: token budget)"
@@ -72,7 +88,7 @@ class EngineConfig(BaseConfig):
     session_kv: bool = doc(
         False, "decode role: keep each session's KV resident between turns, prefill turns sent here (AMPD)"
     )
-    session_staging_bytes: int = doc(64 * 1024 * 1024, "session engine: staging of resident KV sent to PEs")
+    session_staging_bytes: int = doc(0, f"session engine: staging of resident KV sent to PEs{_PROMPTS}")
     prefill_order: str = doc("fcfs", "prefill queue order: fcfs | slo (AMPD's Algorithm 2, TTFT-aware)")
     reorder_window: int = doc(3, "slo order: tasks tried in every order (w), also the postponement cap")
     ttft_slo_s: float = doc(2.0, "slo order: the TTFT SLO of a request that carries none")
@@ -97,8 +113,9 @@ class EngineConfig(BaseConfig):
             "must be a power of two",
         )
         check(self.num_kv_blocks >= 0, "num_kv_blocks", self.num_kv_blocks, "must be >= 0")
-        check(self.storage_staging_bytes >= 0, "storage_staging_bytes", self.storage_staging_bytes, ">= 0")
-        check(self.kv_cache_bytes >= 0, "kv_cache_bytes", self.kv_cache_bytes, "must be >= 0 (0: the default)")
+        sized = ("kv_cache_bytes", "storage_staging_bytes", "de_buffer_bytes", "pe_receive_bytes")
+        for name in (*sized, "pe_staging_bytes", "session_staging_bytes"):
+            check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0 (0: sized by the model)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         check(
@@ -130,7 +147,6 @@ class EngineConfig(BaseConfig):
         check(self.prefill_order in ("fcfs", "slo"), "prefill_order", self.prefill_order, "fcfs or slo")
         check(1 <= self.reorder_window <= 6, "reorder_window", self.reorder_window, "between 1 and 6")
         check(self.ttft_slo_s > 0, "ttft_slo_s", self.ttft_slo_s, "must be > 0")
-        check(self.session_staging_bytes > 0, "session_staging_bytes", self.session_staging_bytes, "> 0")
 
     def _validate_move_query(self) -> None:
         if not self.move_query:

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from services.engine import metrics
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, prompt_buffer_bytes
 from services.engine.connector import KvConnector, NullConnector
 from services.engine.core import EngineCore
 from services.engine.handlers import EngineHandlers
@@ -205,24 +205,31 @@ def build_disaggregated_connector(config: EngineConfig, service: EngineService) 
         step_tokens=config.max_num_batched_tokens,
         staging_bytes=config.storage_staging_bytes,
     )
+    runner = service.runner
+
+    def prompts(configured: int) -> int:
+        full_block_bytes = runner.kv.full_block_bytes
+        return prompt_buffer_bytes(configured, full_block_bytes, runner.spec.max_model_len, config.block_size)
+
     if config.role == "prefill":
         from services.engine.prefill_connector import PrefillConnector
 
         return PrefillConnector(
-            ctx, area_bytes=config.pe_receive_bytes, staging_bytes=config.pe_staging_bytes
+            ctx, area_bytes=prompts(config.pe_receive_bytes), staging_bytes=prompts(config.pe_staging_bytes)
         )
+    area_bytes = prompts(config.de_buffer_bytes)
     if config.session_kv:
         from services.engine.session_connector import SessionConnector
 
         return SessionConnector(
             ctx,
             persist_kv=config.persist_kv,
-            area_bytes=config.de_buffer_bytes,
-            staging_bytes=config.session_staging_bytes,
+            area_bytes=area_bytes,
+            staging_bytes=prompts(config.session_staging_bytes),
         )
     from services.engine.decode_connector import DecodeConnector
 
-    return DecodeConnector(ctx, persist_kv=config.persist_kv, area_bytes=config.de_buffer_bytes)
+    return DecodeConnector(ctx, persist_kv=config.persist_kv, area_bytes=area_bytes)
 
 
 async def connect_pool(config: EngineConfig, service: EngineService) -> Any:

@@ -133,6 +133,7 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
     tier_args = _tier_processes(spec, procs, common)
     nodes = _nodes(spec)
     if spec.with_kv_store:
+        context_bytes = _context_kv_bytes(spec)
         for node in sorted({n for n, _ in nodes}):
             args = [
                 "--node",
@@ -142,6 +143,7 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
                 "--bandwidth-bytes-per-s",
                 str(spec.storage_bandwidth_bytes_per_s),
             ]
+            args += _storage_buffer_args(context_bytes, sum(1 for n, _ in nodes if n == node))
             procs.append(ProcessSpec(f"storage-{node}", "storage", args, kind="storage"))
     threads = []  # the user's own --num-threads (an --engine-arg) wins
     if spec.cores > 0 and not any(a.split("=")[0] == "--num-threads" for a in spec.extra_engine_args):
@@ -227,6 +229,28 @@ def _nodes(spec: ClusterSpec) -> list[tuple[int, str]]:
 
 def _short(role: str) -> str:
     return {"colocated": "engine", "prefill": "pe", "decode": "de"}[role]
+
+
+def _context_kv_bytes(spec: ClusterSpec) -> int:
+    """KV bytes of one prompt of the model's full length, in the engines' dtype (fp32 where their flags do
+    not fix it: the larger, and only what is used of a shared-memory buffer takes memory)."""
+    from gpu.model_spec import load_model_spec
+
+    dtype_args = _engine_dtype_args(spec.extra_engine_args)
+    dtype = dtype_args[1] if dtype_args else "float32"
+    model = load_model_spec(spec.model)
+    return model.max_model_len * model.num_layers * model.kv_bytes_per_token_layer(dtype)
+
+
+def _storage_buffer_args(context_bytes: int, num_engines: int) -> list[str]:
+    """A node buffer (what stored prefixes are read into) with room for two full-length prompts per engine
+    of the node, when that is more than the storage service's default: 256 MiB held 5,800 tokens of
+    SmolLM2's fp32 KV, so a longer stored prefix was read in part and its tail recomputed."""
+    from services.engine.config import PROMPT_BUFFER_CEILING
+    from services.storage.config import StorageConfig
+
+    need = min(2 * context_bytes, PROMPT_BUFFER_CEILING) * num_engines
+    return ["--buffer-bytes", str(need)] if need > StorageConfig().buffer_bytes else []
 
 
 def _engine_dtype_args(engine_args: list[str]) -> list[str]:

@@ -126,3 +126,25 @@ def test_engines_split_the_host_cores_unless_the_user_set_their_threads(
     monkeypatch.setenv("KVPATH_NUM_THREADS", "4")  # so does the engines' own environment setting
     assert threads("--engines", "2") == [None, None]
     assert engine_threads(3, 2) == 1 and engine_threads(0, 2) == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (
+            ["--prefill-nodes", "1", "--decode-nodes", "1"],
+            [754_974_720] * 2,
+        ),  # SmolLM2 fp32: 2 x 8,192 tokens
+        (["--engines", "2"], [2 * 754_974_720]),  # both engines read through node 0
+        (["--engines", "2", "--engine-arg=--dtype bfloat16"], [754_974_720]),
+        (["--model", "tiny"], [None]),  # two contexts fit the storage default (256 MiB)
+    ],
+)
+def test_each_node_buffer_holds_two_full_length_prompts_per_engine(argv: list[str], want: list) -> None:
+    procs, _ = _spec(*argv)
+    storage = [p for p in procs if p.service == "storage"]
+    got = [
+        int(p.args[p.args.index("--buffer-bytes") + 1]) if "--buffer-bytes" in p.args else None
+        for p in storage
+    ]
+    assert got == want

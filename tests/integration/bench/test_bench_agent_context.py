@@ -3,6 +3,7 @@ a long context; every turn after the first must hit >= 90% of its prompt, report
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -25,6 +26,6 @@ def test_a_long_context_session_hits_its_context_every_later_turn(
     context = json.loads(out.read_text())["context"]
     turns = context["turns"]
     assert [t["prompt_tokens"] for t in turns] == [1600, 1704, 1808]
-    for before, turn in zip(turns, turns[1:], strict=False):  # the previous prompt's full blocks, at least
+    for before, turn in itertools.pairwise(turns):  # the previous prompt's full blocks, at least
         assert turn["cached_tokens"] >= before["prompt_tokens"] // 64 * 64, turns
     assert context["ok"] and context["later_hit_ratio_min"] >= 0.9
