@@ -29,9 +29,10 @@ async def long_context_session(
 
     context = fresh(context_tokens)
     rows: list[dict[str, Any]] = []
+    session = f"bench-context-{seed}-{random.getrandbits(32):08x}"  # sticky session policies bind it
     for _ in range(turns):
         context += fresh(append_tokens)
-        rows.append(await _turn(client, model, context, answer_tokens))
+        rows.append(await _turn(client, model, context, answer_tokens, session))
         context += fresh(answer_tokens)
     later = rows[1:]
     ratios = [r["cached_tokens"] / r["prompt_tokens"] for r in later]
@@ -45,13 +46,15 @@ async def long_context_session(
     }
 
 
-async def _turn(client: Any, model: str, prompt: list[int], answer_tokens: int) -> dict[str, Any]:
+async def _turn(
+    client: Any, model: str, prompt: list[int], answer_tokens: int, session: str
+) -> dict[str, Any]:
     started = time.perf_counter()
     first = None
     usage = None
     stream = await client.completions.create(
         model=model, prompt=prompt, max_tokens=answer_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True}, extra_headers={"X-Session-Id": session},
     )  # fmt: skip
     async for chunk in stream:
         if chunk.choices and first is None:
