@@ -284,7 +284,7 @@ class Service:
 
     async def _handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(
-            body=telemetry.metrics_text(),
+            body=telemetry.metrics_text(service_kind=self.service_kind),
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
 

@@ -167,8 +167,12 @@ async def test_metrics_of_every_service_parse_and_carry_the_documented_names(
             if family.name.startswith("kvpath_"):
                 doc = documented.get(scraped)
                 assert doc is not None and doc.type == family.type, f"{name}: {scraped} undocumented"
-        expected = {m for m, d in documented.items() if d.section in (kind, "bus", "process")}
+        own = (kind, "bus", "process")
+        expected = {m for m, d in documented.items() if d.section in own}
         assert sorted(expected - exposed) == [], name
+        # only its own: services forked by `kvpath up` inherit every service's (zero) metrics otherwise
+        foreign = {m for m in exposed if m in documented and documented[m].section not in own}
+        assert not foreign, (name, sorted(foreign))
         seen.add(kind)
     assert seen == set(kinds.values())
     # scrapes and health probes (wait_ready polls /health) make no traces
