@@ -51,10 +51,9 @@ __all__ = ["DecodeSeq", "LayerHook", "ModelRunner", "PrefillSeq", "SamplingOptio
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-DEFAULT_CPU_KV_BYTES = 256 << 20
-CPU_KV_CONTEXTS = 2  # full-length sequences the default CPU cache holds (SmolLM2 fp32: 2 x 8,192 tokens)
-MAX_DEFAULT_CPU_KV_BYTES = 4 << 30  # a long-context model's default CPU cache (allocated, zeroed, at start)
-CUDA_KV_FRACTION = 0.5  # of the memory still free after loading the weights
+MIN_DEFAULT_KV_BYTES = 256 << 20
+DEFAULT_KV_CONTEXTS = 2  # full-length sequences the default cache holds (SmolLM2 fp32: 2 x 8,192 tokens)
+MAX_DEFAULT_KV_BYTES = 4 << 30  # a long-context model's default cache (allocated, zeroed, at start)
 
 
 @dataclass(slots=True)
@@ -144,9 +143,9 @@ class ModelRunner:
         num_threads: int | None = None,
     ) -> ModelRunner:
         """Load weights and tokenizer, and allocate the paged cache (`num_kv_blocks`, or as many blocks as
-        fit in `kv_cache_bytes`, or a default: on CPU room for CPU_KV_CONTEXTS full-length sequences, 256 MiB
-        to 4 GiB, on CUDA half the free GPU memory). `device` "auto" picks CUDA when it is available,
-        else the CPU."""
+        fit in `kv_cache_bytes`, or a default: room for DEFAULT_KV_CONTEXTS sequences of the model's full
+        length, 256 MiB to 4 GiB; a serving GPU should be given more). `device` "auto" picks CUDA when it
+        is available, else the CPU."""
         device = resolve_device(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device={device!r} requested but CUDA is not available", param="device")
@@ -160,9 +159,8 @@ class ModelRunner:
         tokenizer = load_tokenizer(model_dir)  # before the weights: fail fast on a folder without one
         model = Transformer.load(model_dir, arch, device=device, dtype=TORCH_DTYPES[dtype])
         full_block_bytes = arch.num_layers * block_size * spec.kv_bytes_per_token_layer(dtype)
-        num_blocks = num_kv_blocks or _default_num_blocks(
-            device, kv_cache_bytes, full_block_bytes, -(-spec.max_model_len // block_size)
-        )
+        context_blocks = -(-spec.max_model_len // block_size)
+        num_blocks = num_kv_blocks or _default_num_blocks(kv_cache_bytes, full_block_bytes, context_blocks)
         kv = PagedKVCache(
             num_blocks=num_blocks,
             num_layers=arch.num_layers,
@@ -336,17 +334,13 @@ def _requests_with_forks(seq: PrefillSeq) -> list[SampleRequest]:
     return [_request(seq), *forks]
 
 
-def _default_num_blocks(
-    device: str, kv_cache_bytes: int | None, full_block_bytes: int, context_blocks: int
-) -> int:
-    """`context_blocks`: the blocks of one sequence of the model's full length."""
+def _default_num_blocks(kv_cache_bytes: int | None, full_block_bytes: int, context_blocks: int) -> int:
+    """`context_blocks`: the blocks of one sequence of the model's full length. The default is the same on
+    every device: engines that share one GPU (`kvpath up --engines N`, the test suites' workers) start at
+    once, and a share of the memory each sees free would hand the same bytes to several of them."""
     if kv_cache_bytes is None:
-        if device.startswith("cuda"):
-            free_bytes, _ = torch.cuda.mem_get_info(torch.device(device))
-            kv_cache_bytes = int(free_bytes * CUDA_KV_FRACTION)
-        else:
-            contexts = CPU_KV_CONTEXTS * context_blocks * full_block_bytes
-            kv_cache_bytes = min(MAX_DEFAULT_CPU_KV_BYTES, max(DEFAULT_CPU_KV_BYTES, contexts))
+        contexts = DEFAULT_KV_CONTEXTS * context_blocks * full_block_bytes
+        kv_cache_bytes = min(MAX_DEFAULT_KV_BYTES, max(MIN_DEFAULT_KV_BYTES, contexts))
     num_blocks = kv_cache_bytes // full_block_bytes
     if num_blocks < 1:
         raise ConfigError(

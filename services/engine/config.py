@@ -36,7 +36,7 @@ class EngineConfig(BaseConfig):
     kv_cache_bytes: int = doc(
         0,
         "bytes of paged KV cache (ignored when num_kv_blocks > 0); 0: room for two sequences of the model's "
-        "full length, 256 MiB to 4 GiB, on CPU, half the free GPU memory on CUDA",
+        "full length, 256 MiB to 4 GiB (a serving GPU should be given more)",
     )
     num_kv_blocks: int = doc(0, "paged KV cache size in blocks; 0 derives it from kv_cache_bytes")
     max_num_seqs: int = doc(64, "most sequences in one decode batch")

@@ -243,3 +243,14 @@ def test_runners_on_the_cpu_of_one_host_name_the_same_compute(tiny_runner: Model
     """Engines compare `compute_id`s to tell that they share cores (the router's holder placement)."""
     assert tiny_runner.compute_id == compute_id("cpu") == f"cpu@{socket.gethostname()}"
     assert compute_id(torch.device("cpu")) == tiny_runner.compute_id
+
+
+def test_the_default_cache_holds_two_full_length_sequences_between_256_mib_and_4_gib() -> None:
+    """The same on every device: engines sharing one GPU start at once, so no share of "free" memory."""
+    from gpu.runner import _default_num_blocks
+
+    smollm2_block = 30 * 64 * 1536  # fp32
+    assert _default_num_blocks(None, smollm2_block, 128) == 256  # 2 x 8,192 tokens (256 MiB held 91 blocks)
+    assert _default_num_blocks(None, 64 * 2048, 128) == (256 << 20) // (64 * 2048)  # tiny: the floor
+    assert _default_num_blocks(None, smollm2_block, 2048) == (4 << 30) // smollm2_block  # 128k tokens: 4 GiB
+    assert _default_num_blocks(3 * smollm2_block, smollm2_block, 128) == 3  # the operator's bytes win
