@@ -129,7 +129,7 @@ class ColocatedConnector(KvConnector):
 
     def finish(self, seq: Sequence) -> Awaitable[None] | None:
         record: _Record = seq.kv_state
-        persisted = self.persister.finish(seq.request_id, record.chain)
+        persisted = self.persister.finish(seq, record.chain)
         waits = [w for w in (persisted, *record.pool_commits) if w is not None]
         if not waits:
             return None

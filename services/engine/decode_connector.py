@@ -155,7 +155,7 @@ class DecodeConnector(KvConnector):
                 self.storage.persister.persist(seq, seq.kv_state.chain)
 
     def finish(self, seq: Sequence) -> Awaitable[None] | None:
-        return self.storage.persister.finish(seq.request_id, seq.kv_state.chain)
+        return self.storage.persister.finish(seq, seq.kv_state.chain)
 
     # ----------------------------------------------------------------------------------------- release
 

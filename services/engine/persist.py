@@ -10,16 +10,18 @@ down or lagging: after one wait fails, finishing requests wait only for their wr
 background probe sees the index apply events again (it replays them from JetStream when it is back).
 Blocks are staged in chain order, as many as the staging segment has room for: when it is full (earlier
 writes still on their way), the rest wait for the sequence's next step. Blocks still unstaged when the
-request finishes are not persisted (counted as `staging_full`, logged at most every STAGING_WARN_S); the
-engine sizes the segment so that this takes writes slower than the steps that fill blocks.
+request finishes are held in the cache (one more owner each) and staged as writes free space, within
+PERSIST_WAIT_S; what is still unstaged then is dropped (counted as `staging_full`, logged at most every
+STAGING_WARN_S).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +75,7 @@ class BlockPersister:
         self._background = Background()  # every write in flight (cancelled on close)
         self.index_lagging = False  # requests do not wait on the index (a probe watches it catch up)
         self._staging_warned_at = -STAGING_WARN_S
+        self._staging_freed = asyncio.Event()  # set when a write ends (its staging space is free again)
 
     def persist(self, seq: Sequence, chain: PersistChain) -> None:
         """Write the sequence's blocks that became full since the last call (the leading ones that fit in
@@ -108,23 +111,69 @@ class BlockPersister:
         try:
             result = await self.client.write(staged, hashes, parents, request_id=request_id)
         except KvpathError as exc:
+            self._staging_freed.set()
             metrics.KV_PERSIST_FAILURES.labels(exc.code).inc(len(hashes))
             log.warning(
                 "persist failed request_id=%s code=%s: %s", request_id, exc.code, exc.message,
                 extra={"request_id": request_id},
             )  # fmt: skip
             return 0
+        self._staging_freed.set()
         metrics.KV_PERSISTED_BLOCKS.inc(result.num_written)
         return result.event_stream_seq
 
-    def finish(self, request_id: str, chain: PersistChain) -> Awaitable[None] | None:
-        """The awaitable (None: nothing written) that ends once the chain's writes are indexed."""
-        if chain.num_unstaged_blocks:
-            self._lost_to_staging(request_id, chain.num_unstaged_blocks)
-            chain.num_unstaged_blocks = 0
+    def finish(self, seq: Sequence, chain: PersistChain) -> Awaitable[None] | None:
+        """The awaitable (None: nothing written) that ends once the chain's writes are indexed. Blocks the
+        staging segment had no room for yet are held now (before the engine frees the sequence's blocks)
+        and written as space frees."""
+        if chain.num_unstaged_blocks and not chain.is_broken:
+            write = asyncio.create_task(self._write_held(seq, chain))
+            chain.writes.append(write)
+            self._background.keep(write)
         if not chain.writes:
             return None
-        return self._wait_indexed(request_id, chain.writes)
+        return self._wait_indexed(seq.request_id, chain.writes)
+
+    def _write_held(self, seq: Sequence, chain: PersistChain) -> Coroutine[Any, Any, int]:
+        """Hold the chain's unstaged full blocks and return the work that writes them (the stream sequence
+        of its last write, 0 if none)."""
+        start = chain.num_persisted_blocks
+        end = start + chain.num_unstaged_blocks
+        held = list(seq.block_ids[start:end])
+        self.kv.share(held)
+        chained = extend_hashes(seq, end, self.seed, self.block_size)
+        hashes = chained[start:end]
+        parents = [chained[start - 1] if start else root_of(seq, self.seed), *hashes[:-1]]
+        chain.num_persisted_blocks, chain.num_unstaged_blocks = end, 0
+        return self._stage_held(seq.request_id, held, hashes, parents)
+
+    async def _stage_held(
+        self, request_id: str, held: list[int], hashes: list[int], parents: list[int]
+    ) -> int:
+        deadline = time.monotonic() + PERSIST_WAIT_S
+        writes: list[asyncio.Task[int]] = []
+        done = 0
+        try:
+            while done < len(held):
+                staged = self.client.stage_up_to(len(held) - done)
+                if staged is None:
+                    self._staging_freed.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._staging_freed.wait(), deadline - time.monotonic())
+                    if time.monotonic() >= deadline:
+                        break
+                    continue
+                part = slice(done, done + staged.num_blocks)
+                self.kv.export_blocks(held[part], staged.views)
+                self.kv.free(held[part])
+                write = self._write(request_id, staged, hashes[part], parents[part])
+                writes.append(asyncio.create_task(write))
+                done = part.stop
+        finally:
+            if done < len(held):
+                self.kv.free(held[done:])
+                self._lost_to_staging(request_id, len(held) - done)
+        return max(await asyncio.gather(*writes), default=0)
 
     def _lost_to_staging(self, request_id: str, num_blocks: int) -> None:
         metrics.KV_PERSIST_FAILURES.labels("staging_full").inc(num_blocks)
@@ -132,9 +181,10 @@ class BlockPersister:
         if now - self._staging_warned_at >= STAGING_WARN_S:
             self._staging_warned_at = now
             log.warning(
-                "request_id=%s finished with %d full blocks not persisted: the staging segment (%d B) "
-                "stayed full; raise the engine's storage_staging_bytes (logged at most every %.0f s)",
-                request_id, num_blocks, self.client.staging_bytes, STAGING_WARN_S,
+                "request_id=%s: %d full blocks not persisted: the staging segment (%d B) stayed full "
+                "for %.0f s past the request; raise the engine's storage_staging_bytes (logged at most "
+                "every %.0f s)",
+                request_id, num_blocks, self.client.staging_bytes, PERSIST_WAIT_S, STAGING_WARN_S,
                 extra={"request_id": request_id},
             )  # fmt: skip
 

@@ -150,7 +150,7 @@ class PrefillConnector(KvConnector):
             # a request whose first token ends it never reaches a DE: the PE persists its prompt itself
             chain = PersistChain(record.num_loaded_blocks)
             self.storage.persister.persist(seq, chain)
-            persisted = self.storage.persister.finish(seq.request_id, chain)
+            persisted = self.storage.persister.finish(seq, chain)
             waits = [w for w in (persisted, *record.pool_commits) if w is not None]
         done = PrefillDone(
             first_token=seq.output_token_ids[0] if seq.output_token_ids else None,

@@ -191,7 +191,7 @@ class SessionConnector(KvConnector):
 
     def finish(self, seq: Sequence) -> Awaitable[None] | None:
         record: SessionRecord = seq.kv_state
-        persisted = self.storage.persister.finish(seq.request_id, record.chain) if self.persist_kv else None
+        persisted = self.storage.persister.finish(seq, record.chain) if self.persist_kv else None
         announced = self._keep_resident(seq, record)
         waits = [w for w in (persisted, announced, *record.pool_commits) if w is not None]
         return _all(waits) if waits else None

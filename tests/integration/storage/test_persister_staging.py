@@ -1,8 +1,9 @@
 """The engine's block persister (services/engine/persist.py) against a real storage service, with a staging
 segment smaller than one step's full blocks: what fits is written, the rest follows at later steps as the
-writes free space, every block lands in the store under its chained hash, and blocks still unstaged when the
-request finishes are counted. Before, one step with more full blocks than the segment held (SmolLM2 in fp32
-at 2,048 tokens a step) wrote nothing for the whole request, so every later turn recomputed."""
+writes free space, every block lands in the store under its chained hash, and blocks still unstaged when
+the request finishes are held in the cache until written (or let go, and counted, past PERSIST_WAIT_S).
+Before, one step with more full blocks than the segment held (SmolLM2 in fp32 at 2,048 tokens a step)
+wrote nothing for the whole request, so every later turn recomputed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from gpu.kv_cache import PagedKVCache
+from services.engine import persist
 from services.engine.node_storage import MIN_STAGING_BYTES, staging_bytes_for
 from services.engine.persist import BlockPersister, PersistChain
 from services.engine.sequence import Sequence
@@ -63,28 +65,58 @@ async def test_blocks_beyond_the_staging_segment_follow_at_later_steps(cluster: 
         await chain.writes[-1]  # frees its staging space
         persister.persist(seq, chain)
     assert chain.num_persisted_blocks == NUM_BLOCKS and len(chain.writes) == 3  # 3 + 3 + 2
-    written = [await w for w in chain.writes]
-    assert all(seq_no > 0 for seq_no in written)
-    expected = np.empty((NUM_BLOCKS, *LAYOUT.shape), dtype=np.uint8)
-    kv.export_blocks(seq.block_ids, expected)
-    lease = await persister.client.read("check", seq.block_hashes, deadline_s=5.0)
-    async with lease:
-        assert lease.num_blocks == NUM_BLOCKS  # every block, under the chained hashes a next turn asks
-        assert np.array_equal(lease.views, expected)
+    assert all(seq_no > 0 for seq_no in [await w for w in chain.writes])
+    await _stored(persister, kv, seq, seq.block_ids)  # under the chained hashes a next turn asks
     await persister.close()
 
 
-async def test_blocks_still_unstaged_when_the_request_finishes_are_counted(cluster: StorageCluster) -> None:
-    persister, _kv, seq = await _persister(cluster)
+async def _stored(persister: BlockPersister, kv: PagedKVCache, seq: Sequence, blocks: list[int]) -> None:
+    expected = np.empty((len(blocks), *LAYOUT.shape), dtype=np.uint8)
+    kv.export_blocks(blocks, expected)
+    lease = await persister.client.read("check", seq.block_hashes, deadline_s=5.0)
+    async with lease:
+        assert lease.num_blocks == len(blocks) and np.array_equal(lease.views, expected)
+
+
+async def test_blocks_unstaged_when_the_request_ends_are_held_until_written(cluster: StorageCluster) -> None:
+    """A short answer can end before its first write frees the segment: the rest is held in the cache (one
+    more owner each, so the engine's free does not recycle them) and written as the space frees."""
+    persister, kv, seq = await _persister(cluster)
     chain = PersistChain(0)
+    persister.persist(seq, chain)  # 3 staged, 5 not; then the request ends
+    snapshot = np.empty((NUM_BLOCKS, *LAYOUT.shape), dtype=np.uint8)
+    kv.export_blocks(seq.block_ids, snapshot)
     before = _lost_to_staging()
-    persister.persist(seq, chain)
-    persister.persist(seq, chain)  # no room yet; then the request ends
-    wait = persister.finish(seq.request_id, chain)
-    assert _lost_to_staging() - before == NUM_BLOCKS - STAGED_BLOCKS and chain.num_unstaged_blocks == 0
+    wait = persister.finish(seq, chain)
+    blocks, seq.block_ids = seq.block_ids, []
+    kv.free(blocks)  # the engine frees the finished sequence's blocks
+    assert kv.num_free_blocks == STAGED_BLOCKS  # the 5 unstaged ones are still held
     assert wait is not None
-    await wait  # the staged blocks still become durable
-    assert chain.writes[0].result() > 0
+    await wait
+    assert kv.num_free_blocks == NUM_BLOCKS and _lost_to_staging() == before  # written, then let go
+    lease = await persister.client.read("check", seq.block_hashes, deadline_s=5.0)
+    async with lease:
+        assert lease.num_blocks == NUM_BLOCKS and np.array_equal(lease.views, snapshot)
+    await persister.close()
+
+
+async def test_held_blocks_are_let_go_and_counted_when_the_segment_stays_full(
+    cluster: StorageCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(persist, "PERSIST_WAIT_S", 0.3)
+    persister, kv, seq = await _persister(cluster)
+    occupied = persister.client.stage(STAGED_BLOCKS)  # staged and never written: the segment stays full
+    chain = PersistChain(0)
+    persister.persist(seq, chain)
+    assert chain.num_unstaged_blocks == NUM_BLOCKS and not chain.writes
+    before = _lost_to_staging()
+    wait = persister.finish(seq, chain)
+    kv.free(seq.block_ids)
+    assert kv.num_free_blocks == 0 and wait is not None
+    assert await chain.writes[-1] == 0  # the held blocks' work: nothing written
+    assert _lost_to_staging() - before == NUM_BLOCKS and kv.num_free_blocks == NUM_BLOCKS
+    await wait
+    persister.client.unstage(occupied)
     await persister.close()
 
 
