@@ -76,6 +76,7 @@ class BlockPersister:
         self.index_lagging = False  # requests do not wait on the index (a probe watches it catch up)
         self._staging_warned_at = -STAGING_WARN_S
         self._staging_freed = asyncio.Event()  # set when a write ends (its staging space is free again)
+        self.holds_unstaged = True  # finish() holds blocks left unstaged (False: drops and counts them)
 
     def persist(self, seq: Sequence, chain: PersistChain) -> None:
         """Write the sequence's blocks that became full since the last call (the leading ones that fit in
@@ -126,10 +127,13 @@ class BlockPersister:
         """The awaitable (None: nothing written) that ends once the chain's writes are indexed. Blocks the
         staging segment had no room for yet are held now (before the engine frees the sequence's blocks)
         and written as space frees."""
-        if chain.num_unstaged_blocks and not chain.is_broken:
+        if chain.num_unstaged_blocks and not chain.is_broken and self.holds_unstaged:
             write = asyncio.create_task(self._write_held(seq, chain))
             chain.writes.append(write)
             self._background.keep(write)
+        elif chain.num_unstaged_blocks:
+            self._lost_to_staging(seq.request_id, chain.num_unstaged_blocks)
+            chain.num_unstaged_blocks = 0
         if not chain.writes:
             return None
         return self._wait_indexed(seq.request_id, chain.writes)

@@ -71,6 +71,9 @@ class SessionConnector(KvConnector):
         self.kv = ctx.kv
         self.block_size = ctx.block_size
         self.storage = ctx.node_storage()
+        # resident blocks count as free here (SessionAllocator evicts them on demand): one the persister
+        # still held would not come back when evicted; the session keeps its KV on this engine anyway
+        self.storage.persister.holds_unstaged = False
         self.prefix = TieredPrefix(ctx.kv, ctx.tier, self.storage, ctx.block_size)
         self.persist_kv = persist_kv
         announcer = ResidentAnnouncer(ctx.bus, ctx.engine_id, block_tokens=ctx.block_size)

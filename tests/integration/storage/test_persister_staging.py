@@ -120,6 +120,23 @@ async def test_held_blocks_are_let_go_and_counted_when_the_segment_stays_full(
     await persister.close()
 
 
+async def test_a_session_engine_drops_and_counts_the_unstaged_blocks_instead(cluster: StorageCluster) -> None:
+    """Its allocator counts resident blocks as free (evicted on demand), which a held block would not be;
+    the session keeps its KV on the engine anyway."""
+    persister, kv, seq = await _persister(cluster)
+    persister.holds_unstaged = False
+    chain = PersistChain(0)
+    persister.persist(seq, chain)
+    before = _lost_to_staging()
+    wait = persister.finish(seq, chain)
+    kv.free(seq.block_ids)
+    assert _lost_to_staging() - before == NUM_BLOCKS - STAGED_BLOCKS and kv.num_free_blocks == NUM_BLOCKS
+    assert wait is not None
+    await wait  # the staged three are still written
+    assert len(chain.writes) == 1 and chain.writes[0].result() > 0
+    await persister.close()
+
+
 @pytest.mark.parametrize(
     ("layout", "step_blocks"),
     [
