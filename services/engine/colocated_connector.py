@@ -25,7 +25,6 @@ from services.engine.scheduler import PrefillChunk
 from services.engine.sequence import Sequence
 from services.engine.tiered_prefix import KvTier, PrefixRead, TieredLoadHook, TieredPrefix, TierRead
 from shared.blocks import max_hit_blocks
-from shared.bus import Bus
 from shared.protocol.tasks import Task
 
 __all__ = ["ColocatedConnector", "KvTier", "TierRead"]
@@ -44,30 +43,22 @@ class _Record:
 class ColocatedConnector(KvConnector):
     def __init__(
         self,
-        bus: Bus,
         runner: Any,
+        storage: NodeStorage,
         *,
-        node: int,
-        block_size: int,
         load_kv: bool,
         persist_kv: bool,
-        engine_id: str = "",
         tier: KvTier | None = None,
-        step_tokens: int = 2048,
-        staging_bytes: int = 0,
     ) -> None:
-        """`step_tokens`, `staging_bytes`: NodeStorage's."""
+        """`storage`: the link to the node's storage service (this connector starts and closes it)."""
         self.kv = runner.kv
-        self.block_size = block_size
-        self.storage = NodeStorage(
-            bus, runner, node=node, block_size=block_size, engine_id=engine_id,
-            step_tokens=step_tokens, staging_bytes=staging_bytes,
-        )  # fmt: skip
+        self.block_size = storage.layout.block_size
+        self.storage = storage
         self.persister = self.storage.persister
         self.load_kv = load_kv
         self.persist_kv = persist_kv
         self.pool = tier  # the upper tier (named for the pool, Beluga's)
-        self.prefix = TieredPrefix(self.kv, tier, self.storage, block_size)
+        self.prefix = TieredPrefix(self.kv, tier, self.storage, self.block_size)
 
     async def start(self) -> None:
         await self.storage.start()

@@ -36,6 +36,15 @@ def staging_bytes_for(layout: BlockLayout, step_tokens: int) -> int:
     return max(MIN_STAGING_BYTES, 2 * layout.blocks_bytes(step_blocks))
 
 
+def engine_node_storage(config: Any, service: Any) -> NodeStorage:
+    """A colocated engine's link to its node's storage service, from its EngineConfig and EngineService."""
+    return NodeStorage(
+        service.bus, service.runner, node=config.node, block_size=config.block_size,
+        engine_id=service.service_id, step_tokens=config.max_num_batched_tokens,
+        staging_bytes=config.storage_staging_bytes,
+    )  # fmt: skip
+
+
 class NodeStorage:
     def __init__(
         self,

@@ -286,9 +286,10 @@ def build_route_connector(config: Any, service: Any, inner: KvConnector) -> Rout
     runner, bus, engine_id = service.runner, service.bus, service.service_id
     bs = config.block_size
     if not isinstance(inner, ColocatedConnector):
-        inner = ColocatedConnector(
-            bus, runner, node=config.node, block_size=bs, load_kv=False, persist_kv=False, engine_id=engine_id
-        )
+        from services.engine.node_storage import engine_node_storage
+
+        storage = engine_node_storage(config, service)
+        inner = ColocatedConnector(runner, storage, load_kv=False, persist_kv=False)
     ctx = RouteContext(
         bus=bus,
         receiver=service.receiver,

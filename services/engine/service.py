@@ -179,12 +179,11 @@ def build_connector(config: EngineConfig, service: EngineService) -> KvConnector
     if not (config.load_kv or config.persist_kv):
         return NullConnector()
     from services.engine.colocated_connector import ColocatedConnector
+    from services.engine.node_storage import engine_node_storage
 
-    runner, bus, engine_id = service.runner, service.bus, service.service_id
-    common: dict[str, Any] = {"engine_id": engine_id, "node": config.node, "block_size": config.block_size}
-    common |= {"step_tokens": config.max_num_batched_tokens, "staging_bytes": config.storage_staging_bytes}
+    storage = engine_node_storage(config, service)
     return ColocatedConnector(
-        bus, runner, load_kv=config.load_kv, persist_kv=config.persist_kv, tier=service.upper_tier, **common
+        service.runner, storage, load_kv=config.load_kv, persist_kv=config.persist_kv, tier=service.upper_tier
     )
 
 
