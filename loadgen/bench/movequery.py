@@ -55,7 +55,9 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "movequery", help="move the query: route / fetch / local, measured vs model"
     )
-    parser.add_argument("--model", default="tiny", help="model whose shape the exchanges carry")
+    parser.add_argument(
+        "--model", default="tiny", help="model of the exchanges' shapes and of the fan-in's engines"
+    )
     parser.add_argument("--backends", default="shm,tcp", help="data-plane backends to measure")
     parser.add_argument("--query-tokens", default="1,2,8,32,128,256", help="query tokens per exchange")
     parser.add_argument("--chunks", default="256,1024,4096,8192", help="chunk lengths in tokens")
@@ -144,6 +146,7 @@ def _fanin(args: argparse.Namespace, profile_path: str) -> list[dict[str, Any]]:
             "primitives": [p for p in args.fanin_primitives.split(",") if p],
             "ns": [int(n) for n in args.fanin_ns.split(",") if n],
             "engines": args.fanin_engines,
+            "model": args.model,
             "doc_tokens": args.doc_tokens,
             "max_tokens": args.answer_tokens,
             "kv_blocks": kv_blocks,

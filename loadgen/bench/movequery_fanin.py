@@ -45,8 +45,10 @@ READY_TIMEOUT_S = 120.0
 HOLDER_SLACK_BLOCKS = 4  # memory-bound holder: room to prefill the document once, never a sub-agent
 
 
-def _engine_args(*, holds: bool, doc_tokens: int, kv_blocks: int = 0, threads: int = 0) -> list[str]:
-    args = ["--move-query", "--kv-backends", "shm", "--route-timeout-s", "5"]
+def _engine_args(
+    *, holds: bool, doc_tokens: int, kv_blocks: int = 0, threads: int = 0, model: str = "tiny"
+) -> list[str]:
+    args = ["--model", model, "--move-query", "--kv-backends", "shm", "--route-timeout-s", "5"]
     if threads > 0:
         args += ["--num-threads", str(threads)]
     if holds:
@@ -104,9 +106,9 @@ async def _ready(stack: ServiceStack, registry: Registry[ServiceInfo], num_engin
 
 
 async def _stream(
-    http: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int
+    http: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, model: str
 ) -> dict[str, Any]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
     body |= {"temperature": 0, "stream": True}
     started, stamps = time.perf_counter(), []
     async with http.post(f"{url}/v1/completions", json=body) as resp:
@@ -173,14 +175,16 @@ async def _one_primitive(primitive: str, opts: dict[str, Any], tmp: Path) -> lis
             await registry.open()
             stack.start("index", "index-0")
             stack.start("storage", "storage-0", "--root", str(tmp / "store"))
-            kv_blocks = opts.get("kv_blocks", 0)
+            kv_blocks, model = opts.get("kv_blocks", 0), opts.get("model", "tiny")
             shape = {
+                "model": model,
                 "doc_tokens": len(doc),
                 "kv_blocks": kv_blocks,
                 "threads": engine_threads(opts["engines"] + 1, host_cores()),
             }
             stack.start("engine", "engine-0", *_engine_args(holds=True, **shape))
-            router_args = ["--http-port", "0", "--move-query", primitive, "--movequery-fabric", "shm"]
+            router_args = ["--http-port", "0", "--model", model, "--move-query", primitive]
+            router_args += ["--movequery-fabric", "shm"]
             if opts.get("profile"):  # the profile the microbenchmark just calibrated
                 router_args += ["--movequery-profile", opts["profile"]]
             stack.start("router", "router-0", *router_args)
@@ -188,7 +192,7 @@ async def _one_primitive(primitive: str, opts: dict[str, Any], tmp: Path) -> lis
             url, kv_format = ready["router-0"].http_url, ready["engine-0"].kv_format
             opts = {**opts, "kv_bytes_per_token": kv_format.bytes_per_token}
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
-                await _stream(http, url, doc, 2)  # prefilled once, pinned, persisted
+                await _stream(http, url, doc, 2, model)  # prefilled once, pinned, persisted
                 await _until_held(bus, doc, kv_format.fingerprint)  # else the first N sees no holder
                 for i in range(opts["engines"]):
                     args = _engine_args(holds=False, **shape)
@@ -214,7 +218,8 @@ async def _fan_in(
     suffixes = [[rng.randrange(3, 250) for _ in range(rng.randrange(64, 513))] for _ in range(n)]
     before, fell_before = await _choices(http, url), await _fallbacks(http, opts["requester_urls"])
     held_before = await _finished(http, opts["holder_url"])
-    runs = await asyncio.gather(*(_stream(http, url, doc + s, opts["max_tokens"]) for s in suffixes))
+    streams = (_stream(http, url, doc + s, opts["max_tokens"], opts.get("model", "tiny")) for s in suffixes)
+    runs = await asyncio.gather(*streams)
     after, fell_after = await _choices(http, url), await _fallbacks(http, opts["requester_urls"])
     on_holder = await _finished(http, opts["holder_url"]) - held_before  # auto may serve some there
     routed = after.get("route", 0.0) - before.get("route", 0.0)
