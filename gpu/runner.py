@@ -45,15 +45,13 @@ from gpu.partial_attention_remote import (
 from gpu.partial_attention_routed import RoutedBatch
 from gpu.sampling import Sampler, SampleRequest, SamplingOptions
 from gpu.tokenizer import Tokenizer, load_tokenizer
+from shared.blocks import context_buffer_bytes
 from shared.errors import ConfigError, InvalidRequestError
 
 __all__ = ["DecodeSeq", "LayerHook", "ModelRunner", "PrefillSeq", "SamplingOptions"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-MIN_DEFAULT_KV_BYTES = 256 << 20
-DEFAULT_KV_CONTEXTS = 2  # full-length sequences the default cache holds (SmolLM2 fp32: 2 x 8,192 tokens)
-MAX_DEFAULT_KV_BYTES = 4 << 30  # a long-context model's default cache (allocated, zeroed, at start)
 
 
 @dataclass(slots=True)
@@ -143,9 +141,9 @@ class ModelRunner:
         num_threads: int | None = None,
     ) -> ModelRunner:
         """Load weights and tokenizer, and allocate the paged cache (`num_kv_blocks`, or as many blocks as
-        fit in `kv_cache_bytes`, or a default: room for DEFAULT_KV_CONTEXTS sequences of the model's full
-        length, 256 MiB to 4 GiB; a serving GPU should be given more). `device` "auto" picks CUDA when it
-        is available, else the CPU."""
+        fit in `kv_cache_bytes`, or a default: shared.blocks.context_buffer_bytes, two sequences of the
+        model's full length, 256 MiB to 4 GiB; a serving GPU should be given more). `device` "auto" picks
+        CUDA when it is available, else the CPU."""
         device = resolve_device(device)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device={device!r} requested but CUDA is not available", param="device")
@@ -339,8 +337,7 @@ def _default_num_blocks(kv_cache_bytes: int | None, full_block_bytes: int, conte
     every device: engines that share one GPU (`kvpath up --engines N`, the test suites' workers) start at
     once, and a share of the memory each sees free would hand the same bytes to several of them."""
     if kv_cache_bytes is None:
-        contexts = DEFAULT_KV_CONTEXTS * context_blocks * full_block_bytes
-        kv_cache_bytes = min(MAX_DEFAULT_KV_BYTES, max(MIN_DEFAULT_KV_BYTES, contexts))
+        kv_cache_bytes = context_buffer_bytes(context_blocks * full_block_bytes)
     num_blocks = kv_cache_bytes // full_block_bytes
     if num_blocks < 1:
         raise ConfigError(

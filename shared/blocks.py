@@ -23,6 +23,20 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+CONTEXT_BUFFER_FLOOR = 256 * 1024 * 1024
+CONTEXT_BUFFER_CEILING = 4 * 1024 * 1024 * 1024  # a long-context model's default (set more explicitly)
+CONTEXT_BUFFER_CONTEXTS = 2  # sequences of the model's full length a default buffer holds
+
+
+def context_buffer_bytes(context_bytes: int) -> int:
+    """The default size of a buffer that holds whole sequences' KV (an engine's paged cache, a DE buffer, a
+    PE's staging or receive area, a node buffer per engine): CONTEXT_BUFFER_CONTEXTS sequences of
+    `context_bytes` (one of the model's full length), between CONTEXT_BUFFER_FLOOR and
+    CONTEXT_BUFFER_CEILING. A fixed 256 MiB held 5,800 tokens of SmolLM2's fp32 KV, under its 8,192-token
+    context."""
+    return min(CONTEXT_BUFFER_CEILING, max(CONTEXT_BUFFER_FLOOR, CONTEXT_BUFFER_CONTEXTS * context_bytes))
+
+
 def max_hit_blocks(num_prompt_tokens: int, block_size: int) -> int:
     """The most leading full blocks of a prompt whose KV may be loaded instead of computed: the block holding
     the last prompt token is always computed, because that token's logits sample the first output token.

@@ -4,25 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.blocks import blocks_for, context_buffer_bytes
 from shared.config import DEFAULT_BLOCK_SIZE, BaseConfig, check, doc
 
 ROLES = ("colocated", "prefill", "decode")
-PROMPT_BUFFER_FLOOR = 256 * 1024 * 1024
-PROMPT_BUFFER_CEILING = 4 * 1024 * 1024 * 1024  # a long-context model's default (set more explicitly)
-PROMPT_BUFFER_PROMPTS = 2  # whole prompts of the model's full length a default prompt buffer holds
 _PROMPTS = "; 0: two prompts of the model's full length, 256 MiB to 4 GiB"
 
 
 def prompt_buffer_bytes(configured: int, full_block_bytes: int, max_model_len: int, block_size: int) -> int:
-    """A buffer that holds whole prompts' KV (a DE buffer, a PE's staging or receive area): `configured`, or
-    for 0 room for PROMPT_BUFFER_PROMPTS prompts of the model's full length, between PROMPT_BUFFER_FLOOR
-    and PROMPT_BUFFER_CEILING. A fixed 256 MiB holds 5,800 tokens of SmolLM2's fp32 KV, under its
-    8,192-token context: a longer prompt was refused (429) on every disaggregated cluster, however idle."""
-    if configured:
-        return configured
-    context_blocks = -(-max_model_len // block_size)
-    prompts = PROMPT_BUFFER_PROMPTS * context_blocks * full_block_bytes
-    return min(PROMPT_BUFFER_CEILING, max(PROMPT_BUFFER_FLOOR, prompts))
+    """A buffer that holds whole prompts' KV (a DE buffer, a PE's staging or receive area): `configured`,
+    or for 0 context_buffer_bytes of the model's full length. A fixed 256 MiB refused (429) every longer
+    prompt of SmolLM2 on a disaggregated cluster, however idle."""
+    return configured or context_buffer_bytes(blocks_for(max_model_len, block_size) * full_block_bytes)
 
 
 @dataclass(slots=True)

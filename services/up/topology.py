@@ -246,10 +246,10 @@ def _storage_buffer_args(context_bytes: int, num_engines: int) -> list[str]:
     """A node buffer (what stored prefixes are read into) with room for two full-length prompts per engine
     of the node, when that is more than the storage service's default: 256 MiB held 5,800 tokens of
     SmolLM2's fp32 KV, so a longer stored prefix was read in part and its tail recomputed."""
-    from services.engine.config import PROMPT_BUFFER_CEILING
     from services.storage.config import StorageConfig
+    from shared.blocks import context_buffer_bytes
 
-    need = min(2 * context_bytes, PROMPT_BUFFER_CEILING) * num_engines
+    need = context_buffer_bytes(context_bytes) * num_engines
     return ["--buffer-bytes", str(need)] if need > StorageConfig().buffer_bytes else []
 
 

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.config import (
-    PROMPT_BUFFER_CEILING,
-    PROMPT_BUFFER_FLOOR,
-    EngineConfig,
-    prompt_buffer_bytes,
-)
+from services.engine.config import EngineConfig, prompt_buffer_bytes
+from shared.blocks import CONTEXT_BUFFER_CEILING as PROMPT_BUFFER_CEILING
+from shared.blocks import CONTEXT_BUFFER_FLOOR as PROMPT_BUFFER_FLOOR
 from shared.errors import ConfigError
 
 SMOLLM2_BLOCK = 30 * 64 * 1536  # fp32: 30 layers x 64 tokens x 1,536 bytes
