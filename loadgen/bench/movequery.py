@@ -374,5 +374,5 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"local/fetch crossover: {cross['local_fetch_tokens']:.0f} tokens")
     mape = report["model_mape"]
     lines.append(f"model MAPE (M_q >= 64 rows): {'-' if mape is None else f'{mape * 100:.1f}%'}")
-    lines.append(f"LSE merge max relative error (fp32): {report['merge_max_rel_err']:.2e}")
+    lines.append(f"LSE merge max error (fp32, of the largest value): {report['merge_max_rel_err']:.2e}")
     return "\n".join(lines)
