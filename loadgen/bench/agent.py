@@ -11,7 +11,7 @@ client (a test/bench-only dependency: the `test` extra of pyproject.toml, never 
   timing       TTFT and decode tokens/s of a streamed greedy answer, and the same answer under a JSON-schema
                grammar: the difference of their inter-token times is the grammar's cost per token end to end
   context      one session with a long context (loadgen/bench/agent_context.py): each later turn must hit
-               >= 90% of its prompt in the KV store
+               >= 90% of its prompt in the KV store; --context-sessions N runs N at once
 
 Prints a summary, writes everything with --json, exits 1 when an item fails.
 """
@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from loadgen.bench.agent_context import long_context_session
+from loadgen.bench.agent_context import concurrent_sessions
 from loadgen.bench.agent_context import summary_line as context_summary
 
 PARTS = ("agent", "json", "choices", "timing", "logprobs", "context")
@@ -100,6 +100,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--reference", action="store_true", help="compare logprobs with transformers (smollm2)")
     p.add_argument("--context-tokens", type=int, default=3000, help="context of the long-context session")
     p.add_argument("--context-turns", type=int, default=6, help="turns of the long-context session")
+    p.add_argument("--context-sessions", type=int, default=1, help="long-context sessions at once")
     p.add_argument("--only", default="", help=f"comma-separated parts: {', '.join(PARTS)}")
     p.add_argument("--json", default="", help="also write the results to this file")
     p.set_defaults(func=run)
@@ -141,9 +142,8 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         if args.reference and "logprobs" in parts:
             out["logprobs"] = await logprobs_vs_transformers(client, model)
         if "context" in parts:
-            out["context"] = await long_context_session(
-                client, model, args.context_tokens, args.context_turns, vocab_size=vocab
-            )
+            sizes = (args.context_tokens, args.context_turns, args.context_sessions)
+            out["context"] = await concurrent_sessions(client, model, *sizes, vocab_size=vocab)
     out["ok"] = _passed(out)
     return out
 

@@ -82,7 +82,12 @@ class EngineConfig(BaseConfig):
         False, "decode role: keep each session's KV resident between turns, prefill turns sent here (AMPD)"
     )
     session_staging_bytes: int = doc(0, f"session engine: staging of resident KV sent to PEs{_PROMPTS}")
-    prefill_order: str = doc("fcfs", "prefill queue order: fcfs | slo (AMPD's Algorithm 2, TTFT-aware)")
+    prefill_order: str = doc(
+        "fcfs", "prefill queue order: fcfs | slo (AMPD's Algorithm 2, TTFT-aware) | short-first"
+    )
+    short_first_ratio: float = doc(
+        1.0, "short-first order: shorter prefills may pass a prefill for up to this x its own compute"
+    )
     reorder_window: int = doc(3, "slo order: tasks tried in every order (w), also the postponement cap")
     ttft_slo_s: float = doc(2.0, "slo order: the TTFT SLO of a request that carries none")
     cost_profile: str = doc("", "slo order: cost profile of `kvpath profile` (default: the measured rate)")
@@ -137,7 +142,14 @@ class EngineConfig(BaseConfig):
             self.session_kv,
             "only decode engines keep sessions",
         )
-        check(self.prefill_order in ("fcfs", "slo"), "prefill_order", self.prefill_order, "fcfs or slo")
+        check(
+            self.prefill_order in ("fcfs", "slo", "short-first"),
+            "prefill_order",
+            self.prefill_order,
+            "fcfs, slo or short-first",
+        )
+        ratio = self.short_first_ratio
+        check(0 <= ratio <= 100, "short_first_ratio", ratio, "between 0 and 100")
         check(1 <= self.reorder_window <= 6, "reorder_window", self.reorder_window, "between 1 and 6")
         check(self.ttft_slo_s > 0, "ttft_slo_s", self.ttft_slo_s, "must be > 0")
 

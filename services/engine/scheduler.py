@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.engine.sequence import SeqStatus, Sequence
+from services.policy.short_first import WaitingPrefill, closed
 from shared.blocks import blocks_for
 
 # Decides the next prefill batch: (request id, cached tokens, remaining tokens) in FIFO order in,
@@ -80,6 +81,9 @@ class EngineScheduler:
     ) -> None:
         self.prefill_planner = prefill_planner
         self.prefill_order = prefill_order
+        # None: partly prefilled sequences take the step's budget first. A ratio (shortest-first order): a
+        # waiting sequence with fewer tokens left to compute goes ahead of them while none is `closed`.
+        self.short_first_ratio: float | None = None
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -181,16 +185,33 @@ class EngineScheduler:
             self._schedule_planned_prefills(plan, self.prefill_planner)
             return plan
         budget = self.max_num_batched_tokens
-        for seq in [s for s in self.running if s.is_prefilling]:
+        partials = [s for s in self.running if s.is_prefilling]
+        if self.short_first_ratio is not None and not plan.preempted:
+            budget = self._admit(plan, budget, shorter_than=partials)
+        for seq in partials:
             budget -= self._add_chunk(plan, seq, budget) or 0
             if budget <= 0:
                 return plan
         if plan.preempted:
             return plan  # the cache is short: admitting now would only thrash
+        self._admit(plan, budget)
+        return plan
+
+    def _admit(self, plan: StepPlan, budget: int, shorter_than: list[Sequence] | None = None) -> int:
+        """Admit waiting sequences into the step (in the prefill order) while the budget lasts; the budget
+        left. With `shorter_than` (partly prefilled sequences): only while the next one has fewer tokens
+        left to compute than each of them and none of them is `closed`; each admission postpones them all
+        by its tokens."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if self.prefill_order is not None:
                 self.prefill_order(self.waiting, 0)
             seq = self.waiting[0]
+            left = seq.prefill_target - _start(seq)
+            if shorter_than is not None:
+                ratio = self.short_first_ratio or 0.0
+                partials = [waiting_prefill(p) for p in shorter_than]
+                if any(closed(p, ratio) or p.tokens_left <= left for p in partials):
+                    break
             used = self._add_chunk(plan, seq, budget)
             if used is None:
                 break  # head of line does not fit: keep FIFO order
@@ -198,7 +219,9 @@ class EngineScheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             budget -= used
-        return plan
+            for p in shorter_than or ():
+                p.postponed_tokens += left
+        return budget
 
     def _schedule_planned_prefills(self, plan: StepPlan, planner: PrefillPlanner) -> None:
         """Prefill batch chosen by the planner (a compute quota): running chunks first, then the queue."""
@@ -260,6 +283,12 @@ class EngineScheduler:
             PrefillChunk(seq=seq, start=start, num_tokens=num, load_tokens=load, sample=sample)
         )
         return num
+
+
+def waiting_prefill(seq: Sequence) -> WaitingPrefill:
+    """A queued or partly prefilled sequence as the shortest-first order sees it."""
+    left = seq.prefill_target - _start(seq)
+    return WaitingPrefill(left, seq.prefill_target - seq.num_hit_tokens, seq.postponed_tokens)
 
 
 def _start(seq: Sequence) -> int:

@@ -59,6 +59,7 @@ class Sequence:
     trace: Any = None  # services.engine.tracing.SeqTrace while tracing is on, else None
     route: Any = None  # move the query: its route session or held-chunk import (services/engine/route.py)
     num_postponed: int = 0  # times overtaken in this engine's prefill queue (AMPD's Algorithm 2 caps it)
+    postponed_tokens: int = 0  # compute admitted ahead of it (shortest-first order caps it)
     # choices 1..n-1 of a request with n > 1 (choice 0 is this sequence): they wait, PREPARING, until this
     # one's prompt is prefilled, then fork its block table and sample their first token from the same logits
     # (EngineCore._fork); empty once forked

@@ -56,8 +56,10 @@ class EngineService(Service):
         self.core = EngineCore(
             self.config, self.runner, self.service_id, self._publish_tokens, self.connector
         )
-        # AMPD's Algorithm 2 (`--prefill-order slo`), from the compute rate the core measures
+        # the prefill order (`--prefill-order`: slo from the compute rate the core measures, short-first)
         self.core.scheduler.prefill_order = build_prefill_order(self.config, self.core.prefill_rates.compute)
+        if self.config.prefill_order == "short-first":
+            self.core.scheduler.short_first_ratio = self.config.short_first_ratio
         metrics.KV_BLOCKS_TOTAL.set(self.runner.kv.num_blocks)
         handlers = EngineHandlers(self.core, self.report_load_now)
         subjects = self.bus.subjects

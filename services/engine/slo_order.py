@@ -1,5 +1,6 @@
-"""The engine's side of AMPD's Algorithm 2: which waiting sequence its scheduler admits next
-(`--prefill-order slo`; the policy itself is `services/policy/ampd_reorder.py`).
+"""The engine's prefill orders: which waiting sequence its scheduler admits next. AMPD's Algorithm 2
+(`--prefill-order slo`; the policy itself is `services/policy/ampd_reorder.py`) and shortest first
+(`--prefill-order short-first`: `services/policy/short_first.py`).
 
 The scheduler calls the order before each admission from its waiting queue; it reorders the head of the queue
 so that the head runs next. Sequences whose first token is out already (a prompt prefilled on another engine
@@ -17,10 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.engine.config import EngineConfig
+from services.engine.scheduler import waiting_prefill
 from services.engine.sequence import Sequence
 from services.policy.ampd_costs import CostModel, linear_cost_model
 from services.policy.ampd_reorder import QueuedPrefill, next_order
 from services.policy.quota import RateMeter
+from services.policy.short_first import WaitingPrefill, next_shortest
 from services.policy.thresholds import FALLBACK_PREFILL_TOKENS_PER_S
 
 
@@ -67,9 +70,36 @@ class SloPrefillOrder:
         )
 
 
-def build_prefill_order(config: EngineConfig, rate: RateMeter) -> SloPrefillOrder | None:
-    """The engine's prefill order: None for first come, first served; Algorithm 2 for `slo`, its estimates
-    from the profile file when one is given, else from the prefill rate the engine measures (`rate`)."""
+class ShortFirstOrder:
+    """Shortest prefill first over the next `scan` waiting sequences (up to one whose first token is out),
+    none postponed past `ratio` x its own compute (services/policy/short_first.py)."""
+
+    def __init__(self, ratio: float, scan: int = 64) -> None:
+        self.ratio = ratio
+        self.scan = scan  # a long queue is ordered by its head: admission stays O(scan)
+
+    def __call__(self, waiting: deque[Sequence], start: int) -> None:
+        head: list[WaitingPrefill] = []
+        for i in range(start, min(len(waiting), start + self.scan)):
+            if waiting[i].output_token_ids:
+                break  # nothing is reordered across a sequence whose first token is out
+            head.append(waiting_prefill(waiting[i]))
+        chosen = next_shortest(head, self.ratio) if len(head) > 1 else 0
+        if chosen == 0:
+            return
+        for i in range(start, start + chosen):
+            waiting[i].postponed_tokens += head[chosen].tokens_left
+        seq = waiting[start + chosen]
+        del waiting[start + chosen]
+        waiting.insert(start, seq)
+
+
+def build_prefill_order(config: EngineConfig, rate: RateMeter) -> SloPrefillOrder | ShortFirstOrder | None:
+    """The engine's prefill order: None for first come, first served; shortest first for `short-first`;
+    Algorithm 2 for `slo`, its estimates from the profile file when one is given, else from the prefill rate
+    the engine measures (`rate`)."""
+    if config.prefill_order == "short-first":
+        return ShortFirstOrder(config.short_first_ratio)
     if config.prefill_order != "slo":
         return None
     if config.cost_profile:

@@ -1,0 +1,121 @@
+"""Shortest prefill first (`--prefill-order short-first`): the pure rule, and the engine scheduler admitting
+warm turns (few tokens left to compute) ahead of cold prompts, waiting or partly prefilled, with no
+prefill overtaken more than its cap (pure: a free-list allocator, no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.engine.config import EngineConfig
+from services.engine.scheduler import EngineScheduler
+from services.engine.sequence import Sequence
+from services.engine.slo_order import ShortFirstOrder, build_prefill_order
+from services.policy.quota import RateMeter
+from services.policy.short_first import WaitingPrefill, closed, next_shortest
+from shared.errors import ConfigError
+from tests.unit.engine.test_scheduler import FreeList, apply, seq
+
+
+def test_the_fewest_tokens_go_first_and_none_passes_a_closed_task() -> None:
+    queue = [
+        WaitingPrefill(3000, 3000),
+        WaitingPrefill(100, 100),
+        WaitingPrefill(40, 40),
+        WaitingPrefill(40, 40),
+    ]
+    assert next_shortest(queue) == 2  # the earliest of equals
+    full = WaitingPrefill(100, 100, postponed_tokens=100)  # shorter ones took its whole allowance
+    assert closed(full) and not closed(WaitingPrefill(100, 100, postponed_tokens=99))
+    assert next_shortest([WaitingPrefill(3000, 3000), full, WaitingPrefill(40, 40)]) == 1
+    assert next_shortest([WaitingPrefill(3000, 3000, 400), WaitingPrefill(1, 1)], ratio=0.1) == 0
+    assert next_shortest([WaitingPrefill(3000, 3000, 400), WaitingPrefill(1, 1)], ratio=1.0) == 1
+    assert next_shortest([WaitingPrefill(5, 5)], ratio=0.0) == 0
+
+
+def short_first(budget: int, ratio: float = 1.0) -> EngineScheduler:
+    s = EngineScheduler(FreeList(256), block_size=4, max_num_seqs=8, max_num_batched_tokens=budget)
+    s.prefill_order = ShortFirstOrder(ratio)
+    s.short_first_ratio = ratio
+    return s
+
+
+def warm(rid: str, n_prompt: int, hit: int) -> Sequence:
+    s = seq(rid, n_prompt)
+    s.num_hit_tokens = hit  # a stored or cached prefix, loaded, not computed
+    return s
+
+
+def test_a_warm_turn_is_admitted_before_waiting_cold_prompts_which_it_postpones() -> None:
+    s = short_first(budget=64)
+    cold = [seq(f"cold{i}", 200) for i in range(3)]
+    for c in cold:
+        s.add(c)
+    turn = warm("warm", 210, hit=200)
+    s.add(turn)
+    plan = s.schedule()
+    assert plan.prefill[0].seq.request_id == "warm"
+    assert plan.prefill[0].num_tokens == 10 and plan.prefill[0].load_tokens == 200
+    assert [c.postponed_tokens for c in cold] == [10, 10, 10]
+    assert turn.postponed_tokens == 0
+
+
+def test_a_warm_turn_goes_ahead_of_a_partly_prefilled_cold_prompt() -> None:
+    s = short_first(budget=64)
+    cold = seq("cold", 400)
+    s.add(cold)
+    apply(s.schedule())  # cold has 64 of 400 computed: a partial prefill
+    assert cold.is_prefilling and cold.num_computed_tokens == 64
+    s.add(warm("warm", 210, hit=200))
+    plan = s.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in plan.prefill] == [("warm", 10), ("cold", 54)]
+    assert cold.postponed_tokens == 10
+
+
+def test_first_come_first_served_keeps_the_partial_first() -> None:
+    s = EngineScheduler(FreeList(256), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    cold = seq("cold", 400)
+    s.add(cold)
+    apply(s.schedule())
+    s.add(warm("warm", 210, hit=200))
+    assert [c.seq.request_id for c in s.schedule().prefill] == ["cold"]
+
+
+def test_shorter_prefills_pass_a_cold_prompt_for_at_most_ratio_times_its_compute() -> None:
+    """A stream of 10-token warm turns, one per step, against a 1,000-token cold prompt with a fifth of its
+    compute as allowance: 20 of them go first (200 tokens), then the cold prompt heads every step's budget
+    until its prefill is done."""
+    s = short_first(budget=32, ratio=0.2)
+    cold = seq("cold", 1000)
+    s.add(cold)
+    passed = steps = 0
+    while not cold.output_token_ids:
+        s.add(warm(f"w{steps}", 110, hit=100))
+        plan = s.schedule()
+        passed += plan.prefill[0].seq is not cold
+        apply(plan)
+        for done in [q for q in s.running if q is not cold and q.output_token_ids]:
+            s.finish(done, "length")  # a turn's answer: out of the way
+        steps += 1
+    assert cold.postponed_tokens == 200 and passed == 20
+    assert steps == 20 + -(-(1000 - 20 * 22) // 32)  # 22 tokens a step while passed, then the whole budget
+
+
+def test_nothing_is_reordered_across_a_sequence_whose_first_token_is_out() -> None:
+    s = short_first(budget=64)
+    s.add(seq("cold", 300))
+    preempted = seq("preempted", 300)
+    preempted.output_token_ids.append(5)
+    s.add(preempted)
+    s.add(warm("warm", 110, hit=100))
+    order = ShortFirstOrder(1.0)
+    order(s.waiting, 1)  # from the preempted one on: it stays next
+    assert [q.request_id for q in s.waiting] == ["cold", "preempted", "warm"]
+
+
+def test_the_config_builds_the_order_and_rejects_an_unknown_one() -> None:
+    config = EngineConfig(prefill_order="short-first", short_first_ratio=0.5)
+    config.validate()
+    order = build_prefill_order(config, RateMeter(10.0))
+    assert isinstance(order, ShortFirstOrder) and order.ratio == 0.5
+    with pytest.raises(ConfigError, match="short-first"):
+        EngineConfig(prefill_order="shortest").validate()
