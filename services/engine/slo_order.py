@@ -87,6 +87,8 @@ class ShortFirstOrder:
         chosen = next_shortest(head, self.ratio) if len(head) > 1 else 0
         if chosen == 0:
             return
+        # counted when reordered: a head that then does not fit (the cache short) counts again at the next
+        # try, which only closes the tasks it passed sooner (toward first come, first served)
         for i in range(start, start + chosen):
             waiting[i].postponed_tokens += head[chosen].tokens_left
         seq = waiting[start + chosen]
