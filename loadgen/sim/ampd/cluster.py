@@ -38,6 +38,9 @@ from services.policy.ampd_costs import ROLE_DECODE, ROLE_PREFILL, CostModel
 from services.policy.ampd_reorder import QueuedPrefill, next_order
 from services.policy.ampd_slo import ITL_MEAN, RoundLatency, SessionSlo, meets_slo
 from services.policy.ampd_stats import EngineWindows
+from services.policy.short_first import WaitingPrefill, next_shortest
+
+SHORT_FIRST_SCAN = 64  # the engines' ShortFirstOrder scan (services/engine/slo_order.py)
 
 
 @dataclass(slots=True)
@@ -76,6 +79,7 @@ class Task:
     l_incr: int
     t_enq: float
     num_postponed: int = 0
+    postponed_tokens: int = 0  # shortest-first order: compute admitted ahead of it
 
 
 @dataclass(slots=True)
@@ -109,7 +113,8 @@ class SimCounts:
 
 class AmpdCluster:
     """`mode`: a routing mode of services.policy.ampd (ampd, remote-rr, remote-lq, local); `reorder`:
-    Algorithm 2 on every prefill queue (else FCFS)."""
+    Algorithm 2 on every prefill queue (else FCFS); `short_first`: the engines' `--prefill-order
+    short-first` on every prefill queue instead (services/policy/short_first.py)."""
 
     def __init__(
         self,
@@ -121,6 +126,7 @@ class AmpdCluster:
         link: str,
         params: AmpdParams = AmpdParams(),
         reorder: bool = True,
+        short_first: bool = False,
         window: int = 3,
         seed: int = 0,
         kv_capacity_tokens: int = 1 << 40,
@@ -129,6 +135,7 @@ class AmpdCluster:
         self.kv_capacity_tokens = kv_capacity_tokens
         self.admission: list[SimSession] = []  # arrived, waiting for a DE with room for the first prompt
         self.reorder, self.window = reorder, window
+        self.short_first = short_first
         self.prefills = [Worker(f"pe{i}", ROLE_PREFILL) for i in range(num_prefill)]
         self.decodes = [DecodeSim(f"de{i}", ROLE_DECODE) for i in range(num_decode)]
         self._by_id = {w.engine_id: w for w in self.prefills}
@@ -237,6 +244,8 @@ class AmpdCluster:
 
     def _pick(self, worker: Worker) -> Task:
         queue = worker.queue
+        if self.short_first and len(queue) > 1:
+            return _pop_shortest(queue)
         if self.reorder and len(queue) > 1:
             head = [
                 QueuedPrefill(
@@ -338,3 +347,13 @@ class AmpdCluster:
 
 def _work(worker: Worker) -> tuple[tuple[int, int], ...]:
     return tuple((t.l_hist, t.l_incr) for t in worker.queue)
+
+
+def _pop_shortest(queue: list[Task]) -> Task:
+    """The engines' shortest-first order (`ShortFirstOrder`, the same rule and scan): a task's compute is
+    its new tokens, the history being resident on its DE or read by the PE."""
+    waiting = [WaitingPrefill(t.l_incr, t.l_incr, t.postponed_tokens) for t in queue[:SHORT_FIRST_SCAN]]
+    k = next_shortest(waiting)
+    for t in queue[:k]:
+        t.postponed_tokens += waiting[k].tokens_left
+    return queue.pop(k)

@@ -134,6 +134,7 @@ class Variant:
     alpha: float = 0.9
     beta: float = 0.85
     slack_order: str = "random"
+    short_first: bool = False  # `--prefill-order short-first` on every prefill queue (instead of `reorder`)
 
 
 VARIANTS = {
@@ -143,6 +144,7 @@ VARIANTS = {
     "ampd-no-reorder": Variant(MODE_AMPD, False),  # Fig. 5: AMPD w/o PR
     "ampd-no-routing": Variant(MODE_REMOTE_RR, True),  # remote always, with reordering
     "ampd-least-queue": Variant(MODE_AMPD, True, slack_order="least-queue"),  # AmpdParams.slack_order
+    "colocated-short-first": Variant(MODE_LOCAL, False, short_first=True),  # kvpath's own engine order
 }
 
 
@@ -187,6 +189,7 @@ def run(
         link=LINK,
         params=AmpdParams(variant.alpha, variant.beta, data_link=LINK, slack_order=variant.slack_order),
         reorder=variant.reorder,
+        short_first=variant.short_first,
         seed=seed,
         kv_capacity_tokens=kv_capacity_tokens(dep.tp_decode),
     )

@@ -15,6 +15,7 @@ import functools
 
 from loadgen.sim.ampd.paper import ANCHOR_LOAD, SETUPS, VARIANTS, WEIGHT_BYTES, Deployment, run
 from loadgen.sim.ampd.planner import GPU_BYTES, MIN_KV_BYTES, TP_DEGREES, USABLE, candidates, plan
+from services.policy.ampd import MODE_LOCAL
 
 TUNING_SEED = 1000  # tuning runs on other traces than the reported seeds 0-4
 TUNING_SESSIONS = 80
@@ -36,8 +37,8 @@ def paper_deployment(trace: str, policy: str, load: float = ANCHOR_LOAD) -> Depl
         return Deployment(
             chosen["tp_prefill"], chosen["dp_prefill"], chosen["tp_decode"], chosen["dp_decode"]
         )
-    pool = colocated_candidates(gpus) if policy == "colocated" else candidates(gpus)
     variant = VARIANTS[policy]
+    pool = colocated_candidates(gpus) if variant.mode == MODE_LOCAL else candidates(gpus)
 
     def tuned(dep: Deployment) -> tuple[bool, float]:
         """(fits KV memory, attainment): a deployment whose sessions outgrow a replica's KV (brief §7.2, no

@@ -9,7 +9,7 @@ from loadgen.sim.ampd import VARIANTS, paper_attainment
 from loadgen.sim.ampd.cluster import AmpdCluster, SimSession
 from loadgen.sim.ampd.paper import ANCHOR_RATE, Deployment, kv_capacity_tokens, load_at
 from loadgen.sim.ampd.planner import Candidate, candidates, plan, solve
-from loadgen.sim.ampd.protocol import colocated_candidates
+from loadgen.sim.ampd.protocol import colocated_candidates, paper_deployment
 from services.policy.ampd import MODE_AMPD, MODE_LOCAL, MODE_REMOTE_RR
 from services.policy.ampd_costs import linear_cost_model
 
@@ -135,3 +135,25 @@ def test_a_bound_session_outgrowing_its_engine_is_counted_not_evicted() -> None:
     )
     (a,) = cluster.run([(0.0, SimSession("a", [(100, 2, 0.0), (100, 2, 0.0)], 10.0, 1.0))])
     assert a.is_done and cluster.counts.over_capacity == 1 and cluster.counts.admission_waits == 0
+
+
+@pytest.mark.parametrize("short_first", [False, True])
+def test_short_first_runs_the_shorter_queued_prefill_first_on_a_decode_engine(short_first: bool) -> None:
+    """The engines' `--prefill-order short-first` in the model (the same pure rule): while `a` prefills,
+    `b` (2,000 tokens) and then `c` (100) queue on the DE; shortest first runs `c` before `b`."""
+    cluster = AmpdCluster(
+        COSTS, num_prefill=0, num_decode=1, mode=MODE_LOCAL, link="kv", reorder=False, short_first=short_first
+    )
+    a, b, c = (SimSession(n, [(t, 1, 0.0)], 10.0, 1.0) for n, t in (("a", 2000), ("b", 2000), ("c", 100)))
+    cluster.run([(0.0, a), (0.05, b), (0.06, c)])
+    assert a.ttfts == [pytest.approx(2.0)]
+    if short_first:
+        assert c.ttfts == [pytest.approx(2.1 - 0.06)] and b.ttfts == [pytest.approx(4.1 - 0.05)]
+    else:
+        assert b.ttfts == [pytest.approx(4.0 - 0.05)] and c.ttfts == [pytest.approx(4.1 - 0.06)]
+
+
+def test_the_short_first_variant_is_tuned_over_colocated_deployments() -> None:
+    variant = VARIANTS["colocated-short-first"]
+    assert variant.short_first and variant.mode == MODE_LOCAL and not variant.reorder
+    assert paper_deployment("toolbench", "colocated-short-first").dp_prefill == 0  # no prefill engines
