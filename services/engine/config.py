@@ -34,6 +34,11 @@ class EngineConfig(BaseConfig):
     num_kv_blocks: int = doc(0, "paged KV cache size in blocks; 0 derives it from kv_cache_bytes")
     max_num_seqs: int = doc(64, "most sequences in one decode batch")
     max_num_batched_tokens: int = doc(2048, "prefill token budget per step (chunked prefill beyond it)")
+    warmup_prefill_tokens: int = doc(
+        512,
+        "one prefill of this many tokens at start: it measures the prefill rate the first load report "
+        "carries (routers size admission by it); 0: none, the rate is unknown until the first prefill",
+    )
     max_waiting: int = doc(1024, "tasks queued beyond this are refused (the router tries elsewhere or 429)")
     num_threads: int = doc(0, "torch CPU threads; 0 keeps torch's default")
     persist_kv: bool = doc(True, "persist every full block through the node's storage service")
@@ -114,6 +119,7 @@ class EngineConfig(BaseConfig):
         sized = ("kv_cache_bytes", "storage_staging_bytes", "de_buffer_bytes", "pe_receive_bytes")
         for name in (*sized, "pe_staging_bytes", "session_staging_bytes"):
             check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0 (0: sized by the model)")
+        check(self.warmup_prefill_tokens >= 0, "warmup_prefill_tokens", self.warmup_prefill_tokens, ">= 0")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         check(

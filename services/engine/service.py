@@ -14,6 +14,7 @@ from services.engine.connector import KvConnector, NullConnector
 from services.engine.core import EngineCore
 from services.engine.handlers import EngineHandlers
 from services.engine.slo_order import build_prefill_order
+from services.engine.warmup import seed_prefill_rates
 from shared.blocks import BlockLayout
 from shared.protocol import Abort, LoadReport, ServiceInfo, TokenBatch
 from shared.protocol.tasks import PullHits
@@ -60,6 +61,10 @@ class EngineService(Service):
         self.core.scheduler.prefill_order = build_prefill_order(self.config, self.core.prefill_rates.compute)
         if self.config.prefill_order == "short-first":
             self.core.scheduler.short_first_ratio = self.config.short_first_ratio
+        prefills = self.config.role != "decode" or self.config.session_kv  # DualPath's DEs never do
+        warmup = self.config.warmup_prefill_tokens if prefills else 0
+        rate = await seed_prefill_rates(self.runner, self.core.prefill_rates, warmup)
+        log.info("warm-up prefill: %d tokens at %.0f tokens/s", warmup, rate)
         metrics.KV_BLOCKS_TOTAL.set(self.runner.kv.num_blocks)
         handlers = EngineHandlers(self.core, self.report_load_now)
         subjects = self.bus.subjects

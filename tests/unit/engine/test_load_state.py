@@ -16,6 +16,7 @@ from gpu.runner import ModelRunner
 from services.engine.config import EngineConfig
 from services.engine.core import EngineCore
 from services.engine.load_state import MAX_RELEASES, release_schedule
+from services.engine.warmup import seed_prefill_rates
 from shared.hashing import block_hashes
 from shared.protocol import (
     COMPUTE_RATE,
@@ -134,3 +135,23 @@ def test_the_schedule_groups_by_steps_left_skips_placeholders_and_keeps_the_soon
         len(release_schedule(many, block_size=16, null_block=-1, step_s=0.01)["kv_release_s"]) == MAX_RELEASES
     )
     assert release_schedule(running, block_size=16, null_block=-7, step_s=0.0)["kv_release_s"] == []
+
+
+async def test_the_warm_up_prefill_gives_the_first_report_a_rate_and_keeps_no_kv(runner: ModelRunner) -> None:
+    """Routers size admission by the reported prefill rate (DualPath's beta); before any request, an engine
+    that ran its warm-up reports a measured one, and the warm-up's KV blocks are all free again."""
+
+    async def publish(router_id: str, batch: TokenBatch) -> None:
+        return None
+
+    core = EngineCore(EngineConfig(model="tiny"), runner, "engine-w", publish)
+    free = runner.kv.num_free_blocks
+    assert core.load()["rates"] == {PROMPT_RATE: 0.0, COMPUTE_RATE: 0.0}  # nothing measured yet
+    assert await seed_prefill_rates(runner, core.prefill_rates, 0) == 0.0  # off: still nothing
+    assert core.load()["rates"][PROMPT_RATE] == 0.0
+    rate = await seed_prefill_rates(runner, core.prefill_rates, 4 * BLOCK + 3)
+    assert rate > 0 and core.load()["rates"] == {PROMPT_RATE: rate, COMPUTE_RATE: rate}
+    assert runner.kv.num_free_blocks == free
+    # one that does not fit the cache does not run (and takes nothing)
+    assert await seed_prefill_rates(runner, core.prefill_rates, (free + 1) * BLOCK) == 0.0
+    assert runner.kv.num_free_blocks == free and core.load()["rates"][PROMPT_RATE] == rate
