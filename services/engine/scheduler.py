@@ -229,18 +229,24 @@ class EngineScheduler:
         if self.prefill_order is not None and not plan.preempted:
             for start in range(min(room, len(self.waiting))):
                 self.prefill_order(self.waiting, start)
-        candidates = [s for s in self.running if s.is_prefilling]
-        candidates += list(self.waiting)[:room] if not plan.preempted else []
+        partials = [s for s in self.running if s.is_prefilling]
+        queued = list(self.waiting)[:room] if not plan.preempted else []
+        ratio = self.short_first_ratio
+        ahead = queued[: num_passing(queued, partials, ratio)] if ratio is not None else []
+        candidates = ahead + partials + queued[len(ahead) :]
         work = [(s.request_id, _start(s), s.prefill_target - _start(s)) for s in candidates]
         by_id = {s.request_id: s for s in candidates}
         for request_id, num_tokens in planner([w for w in work if w[2] > 0]):
             seq = by_id[request_id]
+            left = seq.prefill_target - _start(seq)
             if self._add_chunk(plan, seq, num_tokens) is None:
                 return  # the cache is short: the rest waits, FIFO kept
             if seq.status is SeqStatus.WAITING:
                 self.waiting.remove(seq)
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
+                for p in partials if seq in ahead else ():
+                    p.postponed_tokens += left
 
     def _schedule_decodes(self, plan: StepPlan) -> None:
         for seq in list(self.running):
@@ -283,6 +289,21 @@ class EngineScheduler:
             PrefillChunk(seq=seq, start=start, num_tokens=num, load_tokens=load, sample=sample)
         )
         return num
+
+
+def num_passing(queued: list[Sequence], partials: list[Sequence], ratio: float) -> int:
+    """How many of `queued` (in their order) go ahead of the partly prefilled `partials` (short-first):
+    while the next has fewer tokens left to compute than each of them and none of them is `closed`,
+    counting the passes before it (what `_admit` does, for the compute-quota planner's batch)."""
+    tasks = [waiting_prefill(p) for p in partials]
+    passed = 0
+    for k, seq in enumerate(queued):
+        left = seq.prefill_target - _start(seq)
+        for t in tasks:
+            if t.tokens_left <= left or t.postponed_tokens + passed >= ratio * t.tokens_total:
+                return k  # not shorter, or `closed` once the ones before it passed
+        passed += left
+    return len(queued)
 
 
 def waiting_prefill(seq: Sequence) -> WaitingPrefill:
