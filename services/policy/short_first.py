@@ -12,6 +12,10 @@ past that nothing passes it. So reordering at most adds `ratio` x its own prefil
 wait, while a cold prompt can still let dozens of 100-token turns by (a bound on the count of overtakes,
 as AMPD's Algorithm 2 uses, was spent by the many short turns within seconds: measured, 24 s turns again).
 
+The same rule orders a queue the router holds (DualPath's placement queue, `short_first_order`): a
+round places a prefix of the order, and the tasks the placed ones passed are postponed by them
+(`postponements`).
+
 Pure: the caller passes each task's tokens and what has passed it so far.
 """
 
@@ -21,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 RATIO = 1.0  # default: shorter prefills may pass a prefill for up to its own compute
+SCAN = 64  # a long queue is ordered by its head: ordering stays O(SCAN^2), whatever the queue's length
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +51,39 @@ def next_shortest(queue: Sequence[WaitingPrefill], ratio: float = RATIO) -> int:
         if closed(task, ratio):
             break
     return best
+
+
+def short_first_order(queue: Sequence[WaitingPrefill], ratio: float = RATIO, scan: int = SCAN) -> list[int]:
+    """The order to offer `queue` (arrival order) in: `next_shortest` over its first `scan` tasks, again
+    over what is left after each pick, each pick postponing the tasks it passes as it would if placed;
+    the tasks past `scan` follow in arrival order."""
+    head = min(len(queue), scan)
+    left = [task.tokens_left for task in queue[:head]]
+    postponed = [float(task.postponed_tokens) for task in queue[:head]]
+    allowance = [ratio * task.tokens_total for task in queue[:head]]
+    rest = list(range(head))
+    order: list[int] = []
+    while rest:
+        best = 0
+        for k, i in enumerate(rest):
+            if left[i] < left[rest[best]]:
+                best = k
+            if postponed[i] >= allowance[i]:
+                break
+        for i in rest[:best]:
+            postponed[i] += left[rest[best]]
+        order.append(rest.pop(best))
+    return order + list(range(head, len(queue)))
+
+
+def postponements(queue: Sequence[WaitingPrefill], placed: Sequence[int]) -> list[int]:
+    """Compute tokens each task of `queue` (arrival order) is passed by when the tasks at the indices
+    `placed` are placed, in that order: a placed task passes every earlier arrival not placed before it."""
+    added = [0] * len(queue)
+    done: set[int] = set()
+    for j in placed:
+        done.add(j)
+        for i in range(j):
+            if i not in done:
+                added[i] += queue[j].tokens_left
+    return added

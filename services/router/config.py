@@ -9,6 +9,7 @@ from services.policy.auto import AUTO
 from services.policy.colocated import COLOCATED_POLICIES
 from services.policy.table_placement import POLICIES
 from services.router.auto_pd import PD_PATHS
+from services.router.disaggregated import PREFILL_ORDERS
 from shared.config import BaseConfig, check, doc
 
 
@@ -37,6 +38,14 @@ class RouterConfig(BaseConfig):
     z_factor: float = doc(1.05, "DualPath: DE high-token threshold multiplier")
     force_read_side: str = doc(
         "", "experiments: read stored prefixes on this side (pe | de) when it can read"
+    )
+    prefill_order: str = doc(
+        "fcfs",
+        "dualpath | basic | dualpath-rr: the order the placement queue offers waiting requests in, fcfs | "
+        "short-first (fewest tokens to compute first, none passed for more than short_first_ratio x its own)",
+    )
+    short_first_ratio: float = doc(
+        1.0, "short-first order: shorter requests may pass a request for up to this x its own compute"
     )
     ttft_slo_ms: float = doc(2000.0, "TTFT SLO of a request that names none (`ttft_slo_ms` extension)")
     itl_slo_ms: float = doc(100.0, "ITL SLO of a request that names none (`itl_slo_ms` extension)")
@@ -86,6 +95,7 @@ class RouterConfig(BaseConfig):
             self.force_read_side,
             "empty, pe or de",
         )
+        self._validate_prefill_order()
         for name in ("alpha_s", "beta_s", "z_factor"):
             check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         check(self.max_inflight_requests >= 1, "max_inflight_requests", self.max_inflight_requests, ">= 1")
@@ -111,3 +121,11 @@ class RouterConfig(BaseConfig):
             "auto, route, fetch, local or empty",
         )
         check(self.max_request_bytes >= 1024, "max_request_bytes", self.max_request_bytes, ">= 1024")
+
+    def _validate_prefill_order(self) -> None:
+        order = self.prefill_order
+        check(order in PREFILL_ORDERS, "prefill_order", order, f"one of {', '.join(PREFILL_ORDERS)}")
+        if order != "fcfs":  # the others dispatch at once: their engines order their own queues
+            check(self.policy in POLICIES, "prefill_order", order, f"needs a policy of {', '.join(POLICIES)}")
+        ratio = self.short_first_ratio
+        check(0 <= ratio <= 100, "short_first_ratio", ratio, "between 0 and 100")

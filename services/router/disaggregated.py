@@ -1,4 +1,4 @@
-"""Disaggregated dispatch (DualPath): a FIFO of requests waiting for a (PE, DE, read side), then the tasks.
+"""Disaggregated dispatch (DualPath): a queue of requests waiting for a (PE, DE, read side), then the tasks.
 
 Every arrival and every load report triggers a placement round: the engines' and nodes' loads are the latest
 load reports plus what the router sent since (`EngineTable.load_table`, updated in place for the services
@@ -7,6 +7,10 @@ decides, and each placed request's waiter wakes up with its
 `Placement`. Requests the policy cannot place yet (every PE above beta, no DE with room) wait here: that is
 the "schedule" part of the TTFT breakdown. A placed request goes to its DE first (which reserves the buffer
 the PE writes into), then to its PE.
+
+The queue is first come, first served, as the paper's scheduler is; `--prefill-order short-first` offers
+it to each round shortest compute first instead (`services/policy/short_first.py`, the engines' rule), so
+an agent's warm turn is not held behind every cold prompt that arrived before it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from services.policy.round import RoundState, place_table_round
+from services.policy.short_first import RATIO, WaitingPrefill, postponements, short_first_order
 from services.policy.snapshot import PendingRequest, Placement
 from services.policy.thresholds import Thresholds, thresholds_from_rates
 from services.router import metrics
@@ -45,16 +50,28 @@ class SchedulerParams:
     beta_s: float
     z_factor: float
     force_read_side: str = ""  # experiments: override the policy's side when that side can read
+    prefill_order: str = "fcfs"  # fcfs | short-first: the order the waiting requests are offered in
+    short_first_ratio: float = RATIO  # short-first: a request may be passed for this x its own compute
+
+
+PREFILL_ORDERS = ("fcfs", "short-first")
 
 
 @dataclass(slots=True)
 class _Waiting:
     request: PendingRequest
     future: asyncio.Future[Placement]
+    postponed_tokens: int = 0  # short-first: compute placed ahead of it so far
+
+    def prefill(self) -> WaitingPrefill:
+        """The request as the short-first rule sees it: the tokens its PE computes (at least one)."""
+        compute = max(1, self.request.prompt_tokens - self.request.hit_tokens)
+        return WaitingPrefill(compute, compute, self.postponed_tokens)
 
 
 class PlacementQueue:
-    """The router's FIFO of requests waiting for a placement, and the rounds that place them."""
+    """The router's queue of requests waiting for a placement (arrival order), and the rounds that place
+    them."""
 
     def __init__(self, engines: EngineTable, params: SchedulerParams) -> None:
         self.engines = engines
@@ -102,6 +119,27 @@ class PlacementQueue:
         kv_format = self.engines.kv_format
         if not waiting or kv_format is None:
             return 0
+        if self.params.prefill_order == "short-first":
+            return self._round_short_first(waiting)
+        return self._round(waiting)
+
+    def _round_short_first(self, waiting: list[_Waiting]) -> int:
+        """A round over the queue offered shortest first; the requests the placed ones passed are
+        postponed by them."""
+        prefills = [w.prefill() for w in waiting]
+        order = short_first_order(prefills, self.params.short_first_ratio)
+        offered = [waiting[i] for i in order]
+        placed = self._round(offered)
+        if placed:
+            done = [i for i in order if waiting[i].future.done()]
+            for w, added in zip(waiting, postponements(prefills, done), strict=True):
+                w.postponed_tokens += added
+        return placed
+
+    def _round(self, waiting: list[_Waiting]) -> int:
+        """One round over `waiting` (in the order offered)."""
+        kv_format = self.engines.kv_format
+        assert kv_format is not None
         result = place_table_round(
             self.params.policy,
             self.engines.load_table(kv_format.block_size),

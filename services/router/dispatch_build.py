@@ -35,5 +35,7 @@ def build_dispatch(config: RouterConfig, engines: EngineTable, bus: Bus, router_
         beta_s=config.beta_s,
         z_factor=config.z_factor,
         force_read_side=config.force_read_side,
+        prefill_order=config.prefill_order,
+        short_first_ratio=config.short_first_ratio,
     )
     return DisaggregatedDispatch(engines, bus, router_id, config.task_ack_timeout_s, params)

@@ -35,10 +35,9 @@ from gpu.model_spec import DEFAULT_MODEL, EMBEDDED_MODELS, PACKAGED_MODELS
 from services.up.forked import FRESH_ENV, ForkedService, start_fork_server, stop_fork_server
 from services.up.supervision import Child, RestartPolicy, all_healthy, die_with_parent, tail, write_atomically
 from services.up.topology import (
-    AUTO_DECODE_ENGINES,
-    SESSION_DECODE,
     ClusterSpec,
     ProcessSpec,
+    add_policy_args,
     cluster_processes,
     spec_from_args,
 )
@@ -82,7 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-nodes", type=int, default=0, help="prefill nodes (disaggregated mode)")
     p.add_argument("--decode-nodes", type=int, default=0, help="decode nodes (disaggregated mode)")
     p.add_argument("--engines-per-node", type=int, default=1, help="engines per prefill/decode node")
-    _add_policy_args(p)
+    add_policy_args(p)
     p.add_argument("--pool-bytes", type=int, default=0, help="pool / remote store capacity (0: default)")
     p.add_argument(
         "--storage-bandwidth", type=float, default=0, help="bytes/s per node storage NIC (0: unlimited)"
@@ -96,32 +95,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-arg", action="append", default=[], help="extra flag for every engine (repeat)")
     p.add_argument("--router-arg", action="append", default=[], help="extra flag for the router (repeat)")
     p.set_defaults(func=_run)
-
-
-def _add_policy_args(p: argparse.ArgumentParser) -> None:
-    """The policy, what `--policy auto`'s decode engines are, the KV tier (which picks a default policy)."""
-    p.add_argument(
-        "--policy",
-        default="",
-        help="colocated | beluga | cache-aware | dualpath | basic | dualpath-rr (disaggregated: default "
-        "dualpath) | ampd | disagg-remote (disaggregated, session engines) | session-colocated | auto "
-        "(one cost model over the KV paths the engines offer: colocated, or P/D: see --auto-decode-engines)",
-    )
-    p.add_argument(
-        "--auto-decode-engines",
-        choices=AUTO_DECODE_ENGINES,
-        default=SESSION_DECODE,
-        help="--policy auto on prefill/decode nodes: the decode engines. session: they keep sessions and may "
-        "prefill a turn themselves (local/*, remote/hbm); dualpath: DualPath's, decode only, and a PE's "
-        "stored prefix may be read on the decode node and streamed over (remote/storage-de)",
-    )
-    p.add_argument(
-        "--kv-tier",
-        choices=("storage", "pool", "remote"),
-        default="storage",
-        help="KV tier above storage: none, Beluga's shared pool (default policy beluga; on prefill/decode "
-        "nodes with --policy auto), or the remote-memory pool baseline (default policy cache-aware)",
-    )
 
 
 def _run(args: argparse.Namespace) -> int:

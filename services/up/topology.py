@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from services.policy.ampd import AMPD, SESSION_COLOCATED, SESSION_POLICIES
 from services.policy.auto import AUTO
 from services.policy.colocated import BELUGA, CACHE_AWARE, COLOCATED, COLOCATED_POLICIES
+from services.policy.table_placement import POLICIES
 
 # `--policy auto` on P/D nodes: what the decode engines are (services/router/auto_pd.PD_PATHS, kept equal by a
 # test; importing the router here would slow `kvpath --help`)
 SESSION_DECODE = "session"
 AUTO_DECODE_ENGINES = (SESSION_DECODE, "dualpath")
+PREFILL_ORDERS = ("fcfs", "short-first", "slo")  # the engines' (services/engine/config.py)
 
 
 @dataclass(slots=True)
@@ -40,6 +42,7 @@ class ClusterSpec:
     pool_bytes: int = 0  # pool / remote store capacity (0: the service's default)
     block_size: int = 64
     auto_decode_engines: str = SESSION_DECODE  # auto on P/D nodes: session, or DualPath's (decode only)
+    prefill_order: str = ""  # every prefill queue's order ('': the policy's default)
     cores: int = 0  # the host's cores, split among the engines' torch threads (0: torch's default each)
     extra_engine_args: list[str] = field(default_factory=list)
     extra_router_args: list[str] = field(default_factory=list)
@@ -56,6 +59,40 @@ class ProcessSpec:
     args: list[str]
     kind: str  # service kind in the registry
     role: str = ""
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    """`kvpath up`'s flags of the policy, what `--policy auto`'s decode engines are, the KV tier (which
+    picks a default policy) and the prefill order."""
+    p.add_argument(
+        "--policy",
+        default="",
+        help="colocated | beluga | cache-aware | dualpath | basic | dualpath-rr (disaggregated: default "
+        "dualpath) | ampd | disagg-remote (disaggregated, session engines) | session-colocated | auto "
+        "(one cost model over the KV paths the engines offer: colocated, or P/D: see --auto-decode-engines)",
+    )
+    p.add_argument(
+        "--auto-decode-engines",
+        choices=AUTO_DECODE_ENGINES,
+        default=SESSION_DECODE,
+        help="--policy auto on prefill/decode nodes: the decode engines. session: they keep sessions and may "
+        "prefill a turn themselves (local/*, remote/hbm); dualpath: DualPath's, decode only, and a PE's "
+        "stored prefix may be read on the decode node and streamed over (remote/storage-de)",
+    )
+    p.add_argument(
+        "--kv-tier",
+        choices=("storage", "pool", "remote"),
+        default="storage",
+        help="KV tier above storage: none, Beluga's shared pool (default policy beluga; on prefill/decode "
+        "nodes with --policy auto), or the remote-memory pool baseline (default policy cache-aware)",
+    )
+    p.add_argument(
+        "--prefill-order",
+        choices=PREFILL_ORDERS,
+        default="",
+        help="every prefill queue's order: the engines' and, under dualpath | basic | dualpath-rr, the "
+        "router's placement queue (default fcfs; ampd's engines: slo)",
+    )
 
 
 def spec_from_args(args: argparse.Namespace, kv_root: str) -> ClusterSpec:
@@ -95,6 +132,7 @@ def spec_from_args(args: argparse.Namespace, kv_root: str) -> ClusterSpec:
         pool_bytes=args.pool_bytes,
         block_size=args.block_size,
         auto_decode_engines=args.auto_decode_engines,
+        prefill_order=args.prefill_order,
         cores=0 if "KVPATH_NUM_THREADS" in os.environ else host_cores(),
         extra_engine_args=_split(args.engine_arg),
         extra_router_args=_split(args.router_arg),
@@ -154,6 +192,8 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
         uses_tier = role != "decode" or "--session-kv" in session_args
         args = ["--role", role, "--node", str(node), "--model", spec.model, *common, *threads]
         args += (tier_args if uses_tier else []) + session_args
+        if spec.prefill_order:  # after the policy's own order: the later flag wins
+            args += ["--prefill-order", spec.prefill_order]
         if not spec.with_kv_store:
             args += ["--no-persist-kv", "--no-load-kv"]
         procs.append(
@@ -179,6 +219,8 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
         router_args.append("--no-use-kv-cache")
     if spec.policy == AUTO and spec.is_disaggregated:
         router_args += ["--auto-decode-engines", spec.auto_decode_engines]
+    if spec.policy in POLICIES and spec.prefill_order == "short-first":  # DualPath's placement queue too
+        router_args += ["--prefill-order", spec.prefill_order]
     procs.append(ProcessSpec("router-0", "router", router_args + spec.extra_router_args, kind="router"))
     return procs
 

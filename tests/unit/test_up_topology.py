@@ -148,3 +148,39 @@ def test_each_node_buffer_holds_two_full_length_prompts_per_engine(argv: list[st
         for p in storage
     ]
     assert got == want
+
+
+def _order(args: list[str]) -> str | None:
+    """The value of the last `--prefill-order` flag (argparse keeps the last)."""
+    values = [args[i + 1] for i, a in enumerate(args) if a == "--prefill-order"]
+    return values[-1] if values else None
+
+
+@pytest.mark.parametrize(
+    ("argv", "want_engines", "want_router"),
+    [
+        (["--prefill-nodes", "1", "--decode-nodes", "1"], None, None),
+        (
+            ["--prefill-nodes", "1", "--decode-nodes", "1", "--prefill-order", "short-first"],
+            "short-first",
+            "short-first",
+        ),
+        (["--engines", "2", "--prefill-order", "short-first"], "short-first", None),  # no placement queue
+        (["--prefill-nodes", "1", "--decode-nodes", "1", "--policy", "ampd"], "slo", None),
+        (
+            ["--prefill-nodes", "1", "--decode-nodes", "1", "--policy", "ampd", "--prefill-order", "fcfs"],
+            "fcfs",
+            None,
+        ),
+    ],
+)
+def test_the_prefill_order_reaches_every_prefill_queue(
+    argv: list[str], want_engines: str | None, want_router: str | None
+) -> None:
+    procs, _ = _spec(*argv)
+    prefilling = [
+        p for p in procs if p.service == "engine" and (p.role != "decode" or "--session-kv" in p.args)
+    ]
+    assert prefilling and {_order(p.args) for p in prefilling} == {want_engines}
+    router = next(p for p in procs if p.service == "router")
+    assert _order(router.args) == want_router

@@ -4,16 +4,25 @@ prefill overtaken more than its cap (pure: a free-list allocator, no model)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from services.engine.config import EngineConfig
 from services.engine.scheduler import EngineScheduler
 from services.engine.sequence import Sequence
 from services.engine.slo_order import ShortFirstOrder, build_prefill_order
-from services.policy.quota import RateMeter
-from services.policy.short_first import WaitingPrefill, closed, next_shortest
+from services.policy.batching import AttentionShape, BatchingLimits
+from services.policy.quota import QuotaPlanner, RateMeter
+from services.policy.short_first import (
+    WaitingPrefill,
+    closed,
+    next_shortest,
+    postponements,
+    short_first_order,
+)
 from shared.errors import ConfigError
-from tests.unit.engine.test_scheduler import FreeList, apply, seq
+from tests.unit.engine.test_scheduler import FreeList, apply, sched, seq
 
 
 def test_the_fewest_tokens_go_first_and_none_passes_a_closed_task() -> None:
@@ -30,6 +39,35 @@ def test_the_fewest_tokens_go_first_and_none_passes_a_closed_task() -> None:
     assert next_shortest([WaitingPrefill(3000, 3000, 400), WaitingPrefill(1, 1)], ratio=0.1) == 0
     assert next_shortest([WaitingPrefill(3000, 3000, 400), WaitingPrefill(1, 1)], ratio=1.0) == 1
     assert next_shortest([WaitingPrefill(5, 5)], ratio=0.0) == 0
+
+
+def test_a_queue_the_router_holds_is_offered_shortest_first_up_to_each_closed_task() -> None:
+    queue = [
+        WaitingPrefill(3000, 3000),
+        WaitingPrefill(100, 100),
+        WaitingPrefill(40, 40),
+        WaitingPrefill(40, 40),
+    ]
+    assert short_first_order(queue) == [2, 3, 1, 0]
+    # the first pick passes a task with 10 tokens of allowance left: closed, it goes next
+    nearly = [WaitingPrefill(100, 100, 90), WaitingPrefill(40, 40), WaitingPrefill(20, 20)]
+    assert short_first_order(nearly) == [2, 0, 1]
+    assert postponements(nearly, [2, 0]) == [20, 20, 0]  # what placing the first two adds
+    assert postponements(nearly, [1]) == [40, 0, 0]
+    long = [WaitingPrefill(50, 50), WaitingPrefill(10, 10), WaitingPrefill(1, 1)]
+    assert short_first_order(long, scan=2) == [1, 0, 2]  # past the scan: arrival order
+    assert short_first_order([]) == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_router_offers_first_what_an_engine_admits_first(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(200):
+        queue = [
+            WaitingPrefill(n, n, rng.choice([0, rng.randrange(0, 2 * n)]))
+            for n in (rng.randrange(1, 500) for _ in range(rng.randrange(1, 12)))
+        ]
+        assert short_first_order(queue)[0] == next_shortest(queue)
 
 
 def short_first(budget: int, ratio: float = 1.0) -> EngineScheduler:
@@ -69,6 +107,27 @@ def test_a_warm_turn_goes_ahead_of_a_partly_prefilled_cold_prompt() -> None:
     plan = s.schedule()
     assert [(c.seq.request_id, c.num_tokens) for c in plan.prefill] == [("warm", 10), ("cold", 54)]
     assert cold.postponed_tokens == 10
+
+
+@pytest.mark.parametrize("order", ["short-first", "fcfs"])
+def test_on_a_prefill_engine_the_quota_planner_takes_the_warm_turn_ahead_of_a_partial(order: str) -> None:
+    """A prefill engine's batch comes from DualPath's compute-quota planner (FIFO packing under a quota and
+    a token cap), not the plain budget: the warm turn reaches it ahead of the partly prefilled cold prompt,
+    instead of waiting for the cold prompt's last chunk."""
+    limits = BatchingLimits(compute_quota_s=1e6, max_num_batched_tokens=64)  # the cap binds
+    planner = QuotaPlanner(AttentionShape(num_q_heads=4, head_dim=16), limits)
+    s = short_first(budget=64) if order == "short-first" else sched(blocks=256, budget=64)
+    s.prefill_planner = planner.plan
+    cold = seq("cold", 400)
+    s.add(cold)
+    apply(s.schedule())
+    assert cold.is_prefilling and cold.num_computed_tokens == 64
+    s.add(warm("warm", 210, hit=200))
+    got = [(c.seq.request_id, c.num_tokens) for c in s.schedule().prefill]
+    if order == "fcfs":
+        assert got == [("cold", 64)] and cold.postponed_tokens == 0
+    else:
+        assert got == [("warm", 10), ("cold", 54)] and cold.postponed_tokens == 10
 
 
 def test_first_come_first_served_keeps_the_partial_first() -> None:
