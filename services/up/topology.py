@@ -205,6 +205,14 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
                 role=role,
             )
         )
+    procs.append(
+        ProcessSpec("router-0", "router", _router_args(spec) + spec.extra_router_args, kind="router")
+    )
+    return procs
+
+
+def _router_args(spec: ClusterSpec) -> list[str]:
+    """The router's flags; it takes the block size (and the whole KV format) from the engines' reports."""
     router_args = [
         "--model",
         spec.model,
@@ -214,15 +222,14 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
         spec.host,
         "--http-port",
         str(spec.http_port),
-    ]  # the router takes the block size (and the whole KV format) from the engines' reports
+    ]
     if not spec.with_kv_store:
         router_args.append("--no-use-kv-cache")
     if spec.policy == AUTO and spec.is_disaggregated:
         router_args += ["--auto-decode-engines", spec.auto_decode_engines]
     if spec.policy in POLICIES and spec.prefill_order == "short-first":  # DualPath's placement queue too
         router_args += ["--prefill-order", spec.prefill_order]
-    procs.append(ProcessSpec("router-0", "router", router_args + spec.extra_router_args, kind="router"))
-    return procs
+    return router_args
 
 
 def _tier_processes(spec: ClusterSpec, procs: list[ProcessSpec], common: list[str]) -> list[str]:
