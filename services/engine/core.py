@@ -25,6 +25,7 @@ from services.engine.outbox import Outgoing, Publish, TokenOutbox
 from services.engine.sampling import banned_token_ids, new_sequence, sampling_options
 from services.engine.scheduler import EngineScheduler, PrefillChunk, StepPlan
 from services.engine.sequence import SeqStatus, Sequence
+from services.engine.slo_order import build_prefill_order
 from services.engine.step_faults import retry_alone
 from services.engine.stopping import check_stop
 from services.policy.batching import AttentionShape, BatchingLimits
@@ -74,6 +75,9 @@ class EngineCore:
         self.step_count = 0
         self.prefill_rates = PrefillRates()  # prompt and compute tokens per second (load_state.py)
         self.step_rate = RateMeter()  # decoding steps per second of the loop (load_state.py)
+        self.scheduler.prefill_order = build_prefill_order(config, self.prefill_rates.compute)
+        is_short_first = config.prefill_order == "short-first"
+        self.scheduler.short_first_ratio = config.short_first_ratio if is_short_first else None
         self.outbox = TokenOutbox(engine_id, publish)
         self.grammars = GrammarCompiler(runner.tokenizer)
         self.is_draining = False
@@ -380,9 +384,9 @@ class EngineCore:
 
     def load(self) -> dict[str, Any]:
         """What the engine's load report and health state say of its requests and cache (load_state.py)."""
-        return engine_load(
-            self.seqs.values(), self.scheduler, self.runner.kv, self.prefill_rates, self.step_rate
-        )
+        seqs, kv = self.seqs.values(), self.runner.kv
+        load = engine_load(seqs, self.scheduler, kv, self.prefill_rates, self.step_rate)
+        return {**load, "prefill_order": self.config.prefill_order}
 
 
 def quota_planner(config: EngineConfig, runner: ModelRunner) -> QuotaPlanner | None:

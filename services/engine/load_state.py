@@ -16,11 +16,12 @@ from collections.abc import Collection, Iterable
 from typing import Any
 
 from gpu.kv_cache import PagedKVCache
-from services.engine.scheduler import EngineScheduler
+from services.engine.scheduler import EngineScheduler, waiting_prefill
 from services.engine.sequence import SeqStatus, Sequence
 from services.policy.quota import RateMeter
 from shared.protocol import COMPUTE_RATE, PROMPT_RATE
 
+MAX_PREFILLS = 64  # prefills whose tokens left a short-first engine's load report lists, fewest first
 MAX_RELEASES = 32  # entries a load report carries, soonest first (later ones: the router extrapolates)
 
 
@@ -66,6 +67,23 @@ class PrefillRates:
             self.compute.add(computed_tokens, elapsed_s)
 
 
+def prefill_queue(seqs: Iterable[Sequence], scheduler: EngineScheduler) -> dict[str, Any]:
+    """Under short-first, the tokens left to compute of the engine's unfinished prefills (loading their
+    prefix, waiting and partly prefilled), fewest first, at most MAX_PREFILLS of them: the router's view
+    of what a new prefill would wait for here. Nothing under the other orders."""
+    if scheduler.short_first_ratio is None:
+        return {}
+    left = []
+    for s in seqs:
+        if s.status is SeqStatus.PREPARING:  # its stored prefix is still loading: the plan's hit counts
+            hit = min(s.plan.kv.num_hit_blocks * scheduler.block_size, s.prefill_target - 1)
+            left.append(s.prefill_target - max(0, hit))
+        elif s.status is SeqStatus.WAITING or (s.status is SeqStatus.RUNNING and s.is_prefilling):
+            left.append(waiting_prefill(s).tokens_left)
+    left.sort()
+    return {"prefill_left_tokens": left[:MAX_PREFILLS], "num_prefills": len(left)}
+
+
 def engine_load(
     seqs: Collection[Sequence],
     scheduler: EngineScheduler,
@@ -87,5 +105,6 @@ def engine_load(
         "waiting_kv_tokens": sum(max(0, s.num_tokens - bs * len(s.block_ids)) for s in queued),
         "rates": {PROMPT_RATE: prefill_rates.prompt.value, COMPUTE_RATE: prefill_rates.compute.value},
         "decode_step_s": step_s,
+        **prefill_queue(seqs, scheduler),
         **release_schedule(scheduler.running, block_size=bs, null_block=kv.null_block_or_none, step_s=step_s),
     }

@@ -13,7 +13,6 @@ from services.engine.config import EngineConfig, prompt_buffer_bytes
 from services.engine.connector import KvConnector, NullConnector
 from services.engine.core import EngineCore
 from services.engine.handlers import EngineHandlers
-from services.engine.slo_order import build_prefill_order
 from services.engine.warmup import seed_prefill_rates
 from shared.blocks import BlockLayout
 from shared.protocol import Abort, LoadReport, ServiceInfo, TokenBatch
@@ -57,10 +56,6 @@ class EngineService(Service):
         self.core = EngineCore(
             self.config, self.runner, self.service_id, self._publish_tokens, self.connector
         )
-        # the prefill order (`--prefill-order`: slo from the compute rate the core measures, short-first)
-        self.core.scheduler.prefill_order = build_prefill_order(self.config, self.core.prefill_rates.compute)
-        if self.config.prefill_order == "short-first":
-            self.core.scheduler.short_first_ratio = self.config.short_first_ratio
         prefills = self.config.role != "decode" or self.config.session_kv  # DualPath's DEs never do
         warmup = self.config.warmup_prefill_tokens if prefills else 0
         rate = await seed_prefill_rates(self.runner, self.core.prefill_rates, warmup)

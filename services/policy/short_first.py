@@ -87,3 +87,16 @@ def postponements(queue: Sequence[WaitingPrefill], placed: Sequence[int]) -> lis
             if i not in done:
                 added[i] += queue[j].tokens_left
     return added
+
+
+def work_ahead(left_tokens: Sequence[int], num_prefills: int, tokens: int) -> int | None:
+    """Compute tokens an engine that orders its prefills shortest first runs before a new prefill of
+    `tokens`: its unfinished prefills with no more tokens left (the earlier of equals go first).
+    `left_tokens` are the fewest tokens left of its prefills, ascending, `num_prefills` how many it has in
+    all; None when the list ends before a prefill longer than `tokens` (the rest is unknown)."""
+    total = 0
+    for left in left_tokens:
+        if left > tokens:
+            return total
+        total += left
+    return total if len(left_tokens) >= num_prefills else None

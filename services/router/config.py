@@ -42,7 +42,8 @@ class RouterConfig(BaseConfig):
     prefill_order: str = doc(
         "fcfs",
         "dualpath | basic | dualpath-rr: the order the placement queue offers waiting requests in, fcfs | "
-        "short-first (fewest tokens to compute first, none passed for more than short_first_ratio x its own)",
+        "short-first (fewest tokens to compute first, none passed for more than short_first_ratio x its own; "
+        "and past beta on a short-first PE whose shorter prefills take under beta_s)",
     )
     short_first_ratio: float = doc(
         1.0, "short-first order: shorter requests may pass a request for up to this x its own compute"

@@ -16,7 +16,9 @@ an agent's warm turn is not held behind every cold prompt that arrived before it
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -24,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from services.policy.round import RoundState, place_table_round
-from services.policy.short_first import RATIO, WaitingPrefill, postponements, short_first_order
-from services.policy.snapshot import PendingRequest, Placement
+from services.policy.short_first import RATIO, WaitingPrefill, postponements, short_first_order, work_ahead
+from services.policy.snapshot import ROLE_PREFILL, PendingRequest, Placement
 from services.policy.thresholds import Thresholds, thresholds_from_rates
 from services.router import metrics
 from services.router.dispatch import Dispatch
@@ -35,7 +37,7 @@ from services.router.streams import StreamTable
 from shared import telemetry
 from shared.bus import Bus
 from shared.errors import DeadlineExceededError, NoEngineAvailableError, error_from_code
-from shared.protocol import KvPlan, Message, RequestPlan
+from shared.protocol import COMPUTE_RATE, KvPlan, Message, RequestPlan
 from shared.protocol.tasks import DecodeTask, PrefillTask
 
 R = TypeVar("R", bound=Message)
@@ -69,6 +71,24 @@ class _Waiting:
         return WaitingPrefill(compute, compute, self.postponed_tokens)
 
 
+@dataclass(slots=True)
+class _PrefillView:
+    """A short-first PE's queue as its report states it: tokens left per prefill (the fewest, ascending),
+    how many prefills in all, and the compute tokens it runs in beta_s."""
+
+    left: list[int]
+    count: int
+    limit: float
+
+    def takes(self, tokens: int) -> bool:
+        ahead = work_ahead(self.left, self.count, tokens)
+        return ahead is not None and ahead <= self.limit
+
+    def add(self, tokens: int) -> None:
+        bisect.insort(self.left, tokens)
+        self.count += 1
+
+
 class PlacementQueue:
     """The router's queue of requests waiting for a placement (arrival order), and the rounds that place
     them."""
@@ -80,6 +100,9 @@ class PlacementQueue:
         self.state = RoundState()
         self._kick = asyncio.Event()
         self.num_rounds = 0
+        # short-first: PE -> request -> (tokens to compute, the PE's report seq when it took the task, None
+        # until then), until its reports must list it (`_prefill_views`)
+        self._sent: dict[str, dict[str, tuple[int, int | None]]] = {}
 
     def enqueue(self, request: PendingRequest) -> asyncio.Future[Placement]:
         """Queue the request; the future is its placement, set by a round (`kvpath bench placement` runs
@@ -96,6 +119,10 @@ class PlacementQueue:
             return await asyncio.wait_for(future, max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             raise DeadlineExceededError("no prefill/decode engine could take the request in time") from None
+        except BaseException:  # cancelled, perhaps just after a round placed it: nothing is sent
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.taken(future.result().pe_id, request.request_id, accepted=False)
+            raise
         finally:
             self.queue.pop(request.request_id, None)
 
@@ -130,11 +157,73 @@ class PlacementQueue:
         order = short_first_order(prefills, self.params.short_first_ratio)
         offered = [waiting[i] for i in order]
         placed = self._round(offered)
+        placed += self._past_beta([w for w in offered if not w.future.done()])
         if placed:
             done = [i for i in order if waiting[i].future.done()]
             for w, added in zip(waiting, postponements(prefills, done), strict=True):
                 w.postponed_tokens += added
         return placed
+
+    def _past_beta(self, waiting: list[_Waiting]) -> int:
+        """Requests the round left waiting (no PE under beta) that a PE ordering its own queue shortest
+        first would run within beta_s anyway: the work it runs before each (its prefills with fewer tokens
+        left, `work_ahead`) takes under beta_s of its compute. DualPath's rule with beta lifted picks the
+        PE, DE and read side; the placement stands only on such a PE. Beta bounds the wait a PE adds to a
+        request, which for a warm turn behind a cold prompt is one step, not the cold prompt's prefill."""
+        kv_format = self.engines.kv_format
+        views = self._prefill_views()
+        if not waiting or kv_format is None or not views:
+            return 0
+        t = self.thresholds(kv_format.bytes_per_token)
+        lifted = Thresholds(t.alpha_tokens, math.inf, t.z_factor)
+        placed = 0
+        for w in waiting:
+            tokens = w.prefill().tokens_left
+            fits = {pe for pe, view in views.items() if view.takes(tokens)}
+            if not fits:
+                continue
+            table = self.engines.load_table(kv_format.block_size)
+            result = place_table_round(
+                self.params.policy, table, [w.request], lifted, self.state,
+                force_read_side=self.params.force_read_side,
+            )  # fmt: skip
+            if not result.placements or result.placements[0].pe_id not in fits:
+                continue
+            self.state = result.state
+            placement = result.placements[0]
+            self._note(placement, w.request)
+            views[placement.pe_id].add(tokens)
+            w.future.set_result(placement)
+            placed += 1
+        return placed
+
+    def _prefill_views(self) -> dict[str, _PrefillView]:
+        """The live PEs that order their queues shortest first and list what is in them, with what this
+        router sent each that its reports may not list yet (taken after the report before the last)."""
+        views = {}
+        for state in self.engines.live(time.monotonic(), roles=(ROLE_PREFILL,)):
+            r = state.report
+            limit = self.params.beta_s * r.rates.get(COMPUTE_RATE, 0.0)
+            sent = self._sent.get(r.service_id, {})
+            for rid in [rid for rid, (_, seq) in sent.items() if seq is not None and r.seq >= seq + 2]:
+                del sent[rid]
+            if r.prefill_order != "short-first" or r.is_draining or limit <= 0:
+                continue
+            left, unlisted = r.prefill_left_tokens, [tokens for tokens, _ in sent.values()]
+            if len(left) < r.num_prefills:  # the report lists the fewest: past its last, nothing is known
+                unlisted = [x for x in unlisted if left and x <= left[-1]]
+            views[r.service_id] = _PrefillView(sorted([*left, *unlisted]), r.num_prefills + len(sent), limit)
+        return views
+
+    def taken(self, pe_id: str, request_id: str, accepted: bool) -> None:
+        """The PE took the request's prefill task (`accepted`), or the dispatch failed."""
+        sent = self._sent.get(pe_id, {})
+        if request_id in sent:
+            state = self.engines.get(pe_id)
+            if accepted and state is not None:
+                sent[request_id] = (sent[request_id][0], state.report.seq)
+            else:
+                del sent[request_id]
 
     def _round(self, waiting: list[_Waiting]) -> int:
         """One round over `waiting` (in the order offered)."""
@@ -165,6 +254,9 @@ class PlacementQueue:
 
     def _note(self, placement: Placement, request: PendingRequest) -> None:
         """Count the decision into the loads until the engines' next reports include it."""
+        if self.params.prefill_order == "short-first":
+            compute = max(1, request.prompt_tokens - request.hit_tokens)
+            self._sent.setdefault(placement.pe_id, {})[request.request_id] = (compute, None)
         self.engines.note_assigned(placement.pe_id, request.prompt_tokens)
         self.engines.note_assigned(placement.de_id, request.prompt_tokens, kv_tokens=request.hbm_need_tokens)
         if placement.read_node is not None:
@@ -220,13 +312,18 @@ class DisaggregatedDispatch(Dispatch):
             "placed request_id=%s pe=%s de=%s read_side=%s",
             plan.request_id, placement.pe_id, placement.de_id, read_side or "none",
         )  # fmt: skip
-        de_ack = await ask(self, placement.de_id, DecodeTask(plan=plan, pe_id=placement.pe_id), deadline)
-        if not de_ack.accepted or de_ack.buffer is None:
-            raise error_from_code(de_ack.code or "overloaded", de_ack.message or "decode engine refused")
-        timings = {"schedule_s": placed - started, "allocate_s": time.monotonic() - placed}
-        is_layerwise = self.queue.params.policy != "basic"
-        task = PrefillTask(plan=plan, de_buffer=de_ack.buffer, is_layerwise=is_layerwise, timings=timings)
-        pe_ack = await ask(self, placement.pe_id, task, deadline)
+        try:
+            de_ack = await ask(self, placement.de_id, DecodeTask(plan=plan, pe_id=placement.pe_id), deadline)
+            if not de_ack.accepted or de_ack.buffer is None:
+                raise error_from_code(de_ack.code or "overloaded", de_ack.message or "decode engine refused")
+            timings = {"schedule_s": placed - started, "allocate_s": time.monotonic() - placed}
+            is_layerwise = self.queue.params.policy != "basic"
+            task = PrefillTask(plan=plan, de_buffer=de_ack.buffer, is_layerwise=is_layerwise, timings=timings)
+            pe_ack = await ask(self, placement.pe_id, task, deadline)
+        except BaseException:
+            self.queue.taken(placement.pe_id, plan.request_id, accepted=False)
+            raise
+        self.queue.taken(placement.pe_id, plan.request_id, accepted=pe_ack.accepted)
         if not pe_ack.accepted:
             raise error_from_code(pe_ack.code or "overloaded", pe_ack.message or "prefill engine refused")
         timings["allocate_s"] = time.monotonic() - placed

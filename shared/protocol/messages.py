@@ -122,8 +122,12 @@ class LoadReport(Message):
         "kv_release_s": (0.0, None),
         "kv_release_tokens": (0, None),
         "decode_step_s": (0.0, 3600.0),
+        "prefill_left_tokens": (0, None),
+        "num_prefills": (0, None),
     }
     MAX_RELEASES = 64
+    MAX_PREFILLS = 64
+    PREFILL_ORDERS = ("", "fcfs", "slo", "short-first")
     service_id: str
     role: str
     node: int
@@ -152,6 +156,12 @@ class LoadReport(Message):
     kv_release_s: list[float] = field(default_factory=list)
     kv_release_tokens: list[int] = field(default_factory=list)
     decode_step_s: float = 0.0  # engines: the period of their decoding step, measured (0: not timed yet)
+    # engines: their prefill queue's order and, when it is short-first, the tokens left to compute of their
+    # unfinished prefills, fewest first (at most MAX_PREFILLS of `num_prefills`): the work each new prefill
+    # would wait for there (`services/policy/short_first.work_ahead`)
+    prefill_order: str = ""
+    prefill_left_tokens: list[int] = field(default_factory=list)
+    num_prefills: int = 0
 
     def check(self) -> None:
         if len(self.kv_release_s) != len(self.kv_release_tokens):
@@ -160,6 +170,11 @@ class LoadReport(Message):
             raise ValueError(f"kv_release_s has more than {self.MAX_RELEASES} entries")
         if self.kv_release_s != sorted(self.kv_release_s):
             raise ValueError("kv_release_s is not in ascending order")
+        if self.prefill_order not in self.PREFILL_ORDERS:
+            raise ValueError(f"prefill_order {self.prefill_order!r} is not one of {self.PREFILL_ORDERS}")
+        left = self.prefill_left_tokens
+        if len(left) > min(self.MAX_PREFILLS, self.num_prefills) or left != sorted(left):
+            raise ValueError("prefill_left_tokens: at most MAX_PREFILLS of num_prefills, in ascending order")
 
 
 @message

@@ -235,6 +235,12 @@ ROUTE = RouteCapability(
         (_report(kv_release_s=[0.1] * 65, kv_release_tokens=[1] * 65), "more than 64"),
         (_report(decode_step_s=-0.01), "decode_step_s"),
         (_report(decode_step_s=float("nan")), "decode_step_s"),
+        (_report(prefill_order="sjf"), "prefill_order"),
+        (_report(prefill_left_tokens=[5, 3], num_prefills=2), "ascending"),
+        (_report(prefill_left_tokens=[3, 5], num_prefills=1), "prefill_left_tokens"),  # more than it has
+        (_report(prefill_left_tokens=[1] * 65, num_prefills=65), "prefill_left_tokens"),
+        (_report(prefill_left_tokens=[-3], num_prefills=1), "prefill_left_tokens"),
+        (_report(num_prefills=-1), "num_prefills"),
     ],
 )
 def test_load_reports_typed_fields_are_checked_on_receipt(report: LoadReport, fragment: str) -> None:
@@ -247,5 +253,8 @@ def test_load_reports_typed_fields_are_checked_on_receipt(report: LoadReport, fr
         kv_release_s=[0.05, 0.05, 1.5],
         kv_release_tokens=[64, 0, 1024],
         decode_step_s=0.02,
+        prefill_order="short-first",
+        prefill_left_tokens=[132, 3100],
+        num_prefills=3,  # a third, longer one unlisted
     )
     assert decode(encode(good), LoadReport) == good

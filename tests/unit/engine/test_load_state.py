@@ -16,6 +16,7 @@ from gpu.runner import ModelRunner
 from services.engine.config import EngineConfig
 from services.engine.core import EngineCore
 from services.engine.load_state import MAX_RELEASES, release_schedule
+from services.engine.sequence import SeqStatus
 from services.engine.warmup import seed_prefill_rates
 from shared.hashing import block_hashes
 from shared.protocol import (
@@ -155,3 +156,39 @@ async def test_the_warm_up_prefill_gives_the_first_report_a_rate_and_keeps_no_kv
     # one that does not fit the cache does not run (and takes nothing)
     assert await seed_prefill_rates(runner, core.prefill_rates, (free + 1) * BLOCK) == 0.0
     assert runner.kv.num_free_blocks == free and core.load()["rates"][PROMPT_RATE] == rate
+
+
+@pytest.mark.parametrize("order", ["short-first", "fcfs"])
+async def test_a_short_first_engine_reports_the_tokens_left_of_its_prefills(
+    runner: ModelRunner, order: str
+) -> None:
+    """The router places a warm turn on a busy PE when the work that PE runs before it is short: the report
+    lists each prefill's tokens left, fewest first (a FCFS engine's order says nothing of the sort)."""
+
+    async def publish(router_id: str, batch: TokenBatch) -> None:
+        return None
+
+    core = EngineCore(EngineConfig(model="tiny", prefill_order=order), runner, "engine-q", publish)
+    try:
+        long = task(runner, "long", 4)  # PROMPT: 53 tokens
+        short = task(runner, "short", 4)
+        short.plan.prompt_token_ids = PROMPT[:20]
+        short.plan.kv = KvPlan(block_hashes=block_hashes(PROMPT[:20], BLOCK, runner.fingerprint))
+        for t in (long, short):
+            assert core.submit(t).accepted
+        if order == "short-first":  # still loading their (empty) stored prefix: listed all the same
+            assert {s.status for s in core.seqs.values()} == {SeqStatus.PREPARING}
+            assert core.load()["prefill_left_tokens"] == [20, len(PROMPT)]
+        await asyncio.wait_for(
+            asyncio.gather(*(s.prepare_task for s in core.seqs.values() if s.prepare_task)), 30
+        )
+        load = core.load()  # both wait: the step loop is not running
+        assert load["prefill_order"] == order
+        if order == "fcfs":
+            assert "prefill_left_tokens" not in load
+        else:
+            assert load["prefill_left_tokens"] == [20, len(PROMPT)] and load["num_prefills"] == 2
+        report = LoadReport(service_id="engine-q", role="prefill", node=0, seq=1, sent_at=time.time(), **load)
+        assert decode(encode(report), LoadReport) == report
+    finally:
+        await core.close()

@@ -20,6 +20,7 @@ from services.policy.short_first import (
     next_shortest,
     postponements,
     short_first_order,
+    work_ahead,
 )
 from shared.errors import ConfigError
 from tests.unit.engine.test_scheduler import FreeList, apply, sched, seq
@@ -57,6 +58,15 @@ def test_a_queue_the_router_holds_is_offered_shortest_first_up_to_each_closed_ta
     long = [WaitingPrefill(50, 50), WaitingPrefill(10, 10), WaitingPrefill(1, 1)]
     assert short_first_order(long, scan=2) == [1, 0, 2]  # past the scan: arrival order
     assert short_first_order([]) == []
+
+
+def test_the_work_ahead_of_a_prefill_is_the_shorter_ones_unless_the_list_stops_before_them() -> None:
+    assert work_ahead([], 0, 100) == 0  # an empty queue
+    assert work_ahead([40, 100, 3100], 3, 100) == 140  # equals go first: they came first
+    assert work_ahead([40, 100, 3100], 3, 39) == 0
+    assert work_ahead([40, 100, 3100], 3, 5000) == 3240
+    assert work_ahead([40, 100], 5, 99) == 40  # the three unlisted have at least 100 left
+    assert work_ahead([40, 100], 5, 100) is None  # unknown: they may have 100 left too
 
 
 @pytest.mark.parametrize("seed", range(4))

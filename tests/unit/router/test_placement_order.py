@@ -14,10 +14,11 @@ from services.router.config import RouterConfig
 from services.router.disaggregated import PlacementQueue, SchedulerParams
 from services.router.engines import EngineTable
 from shared.errors import ConfigError
-from shared.protocol import KvFormat, LoadReport
+from shared.protocol import COMPUTE_RATE, PROMPT_RATE, KvFormat, LoadReport
 
 FMT = KvFormat(fingerprint="placement-order", block_size=64, bytes_per_token=4096)
 PREFILL_TOKENS_PER_S = 1000.0  # with beta_s 1: a PE over 1,000 unfinished tokens takes nothing
+COMPUTE_TOKENS_PER_S = 200.0  # a short-first PE runs 200 tokens of its shorter prefills within beta_s
 
 
 class Cluster:
@@ -45,11 +46,15 @@ class Cluster:
         report = LoadReport(service_id=sid, role=role, node=node, seq=self.seq, sent_at=0.0, **fields)  # type: ignore[arg-type]
         self.engines.update(report, time.monotonic())
 
-    def pe(self, unfinished_tokens: int) -> None:
-        """The PE reports (what the router noted as sent to it is then in its report)."""
+    def pe(self, unfinished_tokens: int, order: str = "", left: tuple[int, ...] = ()) -> None:
+        """The PE reports (what the router noted as sent to it is then in its report): its unfinished
+        tokens, and under `order` short-first each prefill's tokens left (`left`)."""
         self._report(
-            "p0", "prefill", 0, unfinished_tokens=unfinished_tokens, free_kv_blocks=4000, total_kv_blocks=4000
-        )
+            "p0", "prefill", 0, unfinished_tokens=unfinished_tokens,
+            free_kv_blocks=4000, total_kv_blocks=4000,
+            prefill_order=order, prefill_left_tokens=list(left), num_prefills=len(left),
+            rates={PROMPT_RATE: PREFILL_TOKENS_PER_S, COMPUTE_RATE: COMPUTE_TOKENS_PER_S},
+        )  # fmt: skip
 
     def add(self, request_id: str, prompt: int, hit: int = 0) -> asyncio.Future:
         return self.queue.enqueue(PendingRequest(request_id, prompt, hit, prompt + 16))
@@ -98,6 +103,47 @@ async def test_no_request_is_passed_for_more_than_its_own_compute() -> None:
     c.add("warm3", 2000, hit=1900)  # arrives later and is shorter, but the cold prompt is closed
     assert c.placed_next() == {"cold"}
     assert c.placed_next() == {"warm3"}
+
+
+@pytest.mark.parametrize("order", ["short-first", "fcfs"])
+async def test_past_beta_a_short_first_pe_takes_what_it_would_run_within_beta(order: str) -> None:
+    """The PE holds a cold prompt (2,900 tokens left: over beta). Ordering its queue shortest first, it
+    runs a 56-token warm turn after nothing, so the router sends it at once; then what it was sent counts
+    until its next report, and a prefill whose shorter work passes 200 tokens (beta_s of its compute)
+    waits, as the next cold prompt does. A FCFS PE gets nothing past beta."""
+    c = Cluster("short-first")
+    c.pe(unfinished_tokens=5000, order=order, left=(2900,))
+    c.add("cold", 3000)
+    c.add("warm", 3000, hit=2944)
+    c.add("warm2", 3000, hit=2850)  # 150 to compute
+    c.add("warm3", 3000, hit=2820)  # 180: 56 + 150 would run before it
+    if order == "fcfs":
+        assert c.queue.round() == 0
+        return
+    assert c.queue.round() == 2
+    assert [rid for rid, w in c.queue.queue.items() if w.future.done()] == ["warm", "warm2"]
+    assert c.queue.queue["cold"].postponed_tokens == 206 and c.queue.queue["warm3"].postponed_tokens == 0
+    assert c.queue.round() == 0  # no report since: still 56 + 150 ahead of warm3
+    for rid in ("warm", "warm2"):
+        c.queue.taken("p0", rid, accepted=True)  # the PE acked both tasks (the dispatch tells the queue)
+        c.queue.queue.pop(rid)
+    # the first report after the acks may predate them: what was sent still counts (twice, if it lists them)
+    c.pe(unfinished_tokens=5000, order=order, left=(56, 150, 2900))
+    assert c.queue.round() == 0
+    c.pe(unfinished_tokens=5000, order=order, left=(150, 2900))  # the warm turn is done, warm2 is not
+    assert c.queue.round() == 1 and c.queue.queue["warm3"].future.done()
+
+
+async def test_a_task_the_pe_refused_no_longer_counts_ahead() -> None:
+    c = Cluster("short-first")
+    c.pe(unfinished_tokens=5000, order="short-first", left=(2900,))
+    c.add("warm", 3000, hit=2700)  # 300 to compute, with nothing shorter ahead of it
+    assert c.queue.round() == 1
+    c.queue.queue.pop("warm")
+    c.add("warm2", 3000, hit=2600)
+    assert c.queue.round() == 0  # 400: the 300 sent would run before it
+    c.queue.taken("p0", "warm", accepted=False)  # the DE or the PE refused it: it never ran there
+    assert c.queue.round() == 1
 
 
 def test_the_order_needs_a_policy_with_a_placement_queue() -> None:
