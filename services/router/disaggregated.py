@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from services.policy.round import RoundState, place_table_round
 from services.policy.short_first import RATIO, WaitingPrefill, postponements, short_first_order, work_ahead
-from services.policy.snapshot import ROLE_PREFILL, PendingRequest, Placement
+from services.policy.snapshot import PendingRequest, Placement
 from services.policy.thresholds import Thresholds, thresholds_from_rates
 from services.router import metrics
 from services.router.dispatch import Dispatch
@@ -57,6 +57,10 @@ class SchedulerParams:
 
 
 PREFILL_ORDERS = ("fcfs", "short-first")
+# short-first: requests a round tries to place past beta, in its order (each try is a round of its own); the
+# rest wait for the next round, which every load report starts
+PAST_BETA_TRIES = 8
+UNTAKEN_REPORTS = 100  # a sent prefill not acked within this many of its PE's reports never reached it
 
 
 @dataclass(slots=True)
@@ -100,9 +104,9 @@ class PlacementQueue:
         self.state = RoundState()
         self._kick = asyncio.Event()
         self.num_rounds = 0
-        # short-first: PE -> request -> (tokens to compute, the PE's report seq when it took the task, None
-        # until then), until its reports must list it (`_prefill_views`)
-        self._sent: dict[str, dict[str, tuple[int, int | None]]] = {}
+        # short-first: PE -> request -> (tokens to compute, the PE's report seq when it was sent, the seq from
+        # which its reports must list it or it never reached the PE), counted ahead until then
+        self._sent: dict[str, dict[str, tuple[int, int, int]]] = {}
 
     def enqueue(self, request: PendingRequest) -> asyncio.Future[Placement]:
         """Queue the request; the future is its placement, set by a round (`kvpath bench placement` runs
@@ -171,57 +175,65 @@ class PlacementQueue:
         PE, DE and read side; the placement stands only on such a PE. Beta bounds the wait a PE adds to a
         request, which for a warm turn behind a cold prompt is one step, not the cold prompt's prefill."""
         kv_format = self.engines.kv_format
-        views = self._prefill_views()
-        if not waiting or kv_format is None or not views:
+        if not waiting or kv_format is None:
             return 0
         t = self.thresholds(kv_format.bytes_per_token)
         lifted = Thresholds(t.alpha_tokens, math.inf, t.z_factor)
+        tries = waiting[:PAST_BETA_TRIES]
+        table = self.engines.load_table(kv_format.block_size)
+        result = place_table_round(
+            self.params.policy, table, [w.request for w in tries], lifted, self.state,
+            force_read_side=self.params.force_read_side,
+        )  # fmt: skip
+        by_id = {w.request.request_id: w for w in tries}
+        views: dict[str, _PrefillView | None] = {}
         placed = 0
-        for w in waiting:
-            tokens = w.prefill().tokens_left
-            fits = {pe for pe, view in views.items() if view.takes(tokens)}
-            if not fits:
-                continue
-            table = self.engines.load_table(kv_format.block_size)
-            result = place_table_round(
-                self.params.policy, table, [w.request], lifted, self.state,
-                force_read_side=self.params.force_read_side,
-            )  # fmt: skip
-            if not result.placements or result.placements[0].pe_id not in fits:
-                continue
-            self.state = result.state
-            placement = result.placements[0]
+        for placement in result.placements:  # each counted the ones before it: stop at the first that fails
+            w = by_id[placement.request_id]
+            if placement.pe_id not in views:
+                views[placement.pe_id] = self._view(placement.pe_id)
+            tokens, view = w.prefill().tokens_left, views[placement.pe_id]
+            if view is None or not view.takes(tokens):
+                break
             self._note(placement, w.request)
-            views[placement.pe_id].add(tokens)
+            view.add(tokens)
             w.future.set_result(placement)
             placed += 1
+        if placed:
+            self.state = result.state
         return placed
 
-    def _prefill_views(self) -> dict[str, _PrefillView]:
-        """The live PEs that order their queues shortest first and list what is in them, with what this
-        router sent each that its reports may not list yet (taken after the report before the last)."""
-        views = {}
-        for state in self.engines.live(time.monotonic(), roles=(ROLE_PREFILL,)):
-            r = state.report
-            limit = self.params.beta_s * r.rates.get(COMPUTE_RATE, 0.0)
-            sent = self._sent.get(r.service_id, {})
-            for rid in [rid for rid, (_, seq) in sent.items() if seq is not None and r.seq >= seq + 2]:
-                del sent[rid]
-            if r.prefill_order != "short-first" or r.is_draining or limit <= 0:
-                continue
-            left, unlisted = r.prefill_left_tokens, [tokens for tokens, _ in sent.values()]
-            if len(left) < r.num_prefills:  # the report lists the fewest: past its last, nothing is known
-                unlisted = [x for x in unlisted if left and x <= left[-1]]
-            views[r.service_id] = _PrefillView(sorted([*left, *unlisted]), r.num_prefills + len(sent), limit)
-        return views
+    def _view(self, pe_id: str) -> _PrefillView | None:
+        """A live PE that orders its queue shortest first, as its report lists it, with what this router
+        sent it that its reports may not list yet; None for any other PE."""
+        state = self.engines.get(pe_id)
+        if state is None or state.is_suspect:
+            return None
+        r = state.report
+        sent = self._current_sent(pe_id, r.seq)
+        limit = self.params.beta_s * r.rates.get(COMPUTE_RATE, 0.0)
+        if r.prefill_order != "short-first" or r.is_draining or limit <= 0:
+            return None
+        left, unlisted = r.prefill_left_tokens, [tokens for tokens, _, _ in sent.values()]
+        if len(left) < r.num_prefills:  # the report lists the fewest: past its last, nothing is known
+            unlisted = [x for x in unlisted if left and x <= left[-1]]
+        return _PrefillView(sorted([*left, *unlisted]), r.num_prefills + len(sent), limit)
+
+    def _current_sent(self, pe_id: str, seq: int) -> dict[str, tuple[int, int, int]]:
+        """What was sent to the PE that its report numbered `seq` may not list."""
+        sent = self._sent.setdefault(pe_id, {})
+        for rid in [rid for rid, (_, since, until) in sent.items() if not since <= seq < until]:
+            del sent[rid]  # listed by now, never taken, or the PE restarted (its seq begins again)
+        return sent
 
     def taken(self, pe_id: str, request_id: str, accepted: bool) -> None:
         """The PE took the request's prefill task (`accepted`), or the dispatch failed."""
         sent = self._sent.get(pe_id, {})
         if request_id in sent:
             state = self.engines.get(pe_id)
-            if accepted and state is not None:
-                sent[request_id] = (sent[request_id][0], state.report.seq)
+            if accepted and state is not None:  # the report after the next one was made after it was taken
+                tokens, since, _ = sent[request_id]
+                sent[request_id] = (tokens, since, state.report.seq + 2)
             else:
                 del sent[request_id]
 
@@ -254,9 +266,11 @@ class PlacementQueue:
 
     def _note(self, placement: Placement, request: PendingRequest) -> None:
         """Count the decision into the loads until the engines' next reports include it."""
-        if self.params.prefill_order == "short-first":
-            compute = max(1, request.prompt_tokens - request.hit_tokens)
-            self._sent.setdefault(placement.pe_id, {})[request.request_id] = (compute, None)
+        state = self.engines.get(placement.pe_id)
+        if self.params.prefill_order == "short-first" and state is not None:
+            compute, seq = max(1, request.prompt_tokens - request.hit_tokens), state.report.seq
+            entry = (compute, seq, seq + UNTAKEN_REPORTS)
+            self._current_sent(placement.pe_id, seq)[request.request_id] = entry
         self.engines.note_assigned(placement.pe_id, request.prompt_tokens)
         self.engines.note_assigned(placement.de_id, request.prompt_tokens, kv_tokens=request.hbm_need_tokens)
         if placement.read_node is not None:
