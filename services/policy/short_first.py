@@ -14,15 +14,21 @@ as AMPD's Algorithm 2 uses, was spent by the many short turns within seconds: me
 
 The same rule orders a queue the router holds (DualPath's placement queue, `short_first_order`): a
 round places a prefix of the order, and the tasks the placed ones passed are postponed by them
-(`postponements`).
+(`postponements`). Past beta (every PE over it), a request still goes to a PE that orders its own queue
+shortest first when what that PE runs before it (`work_ahead`) takes under beta_s of its compute: beta
+bounds the wait a PE adds to a request, and there that is the shorter prefills' and one step's, not the
+cold prompt's in flight (`PrefillQueue`, `past_beta_prefix`).
 
 Pure: the caller passes each task's tokens and what has passed it so far.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+from services.policy.snapshot import Placement
 
 RATIO = 1.0  # default: shorter prefills may pass a prefill for up to its own compute
 SCAN = 64  # a long queue is ordered by its head: ordering stays O(SCAN^2), whatever the queue's length
@@ -100,3 +106,43 @@ def work_ahead(left_tokens: Sequence[int], num_prefills: int, tokens: int) -> in
             return total
         total += left
     return total if len(left_tokens) >= num_prefills else None
+
+
+@dataclass(slots=True)
+class PrefillQueue:
+    """A short-first PE's queue as its load report lists it (with what was sent to it since): the tokens
+    left of its prefills (the fewest, ascending), how many prefills in all, and the compute tokens it runs
+    within beta_s."""
+
+    left: list[int]
+    count: int
+    limit: float
+
+    def takes(self, tokens: int) -> bool:
+        """A prefill of `tokens` would wait there for under beta_s of compute."""
+        ahead = work_ahead(self.left, self.count, tokens)
+        return ahead is not None and ahead <= self.limit
+
+    def add(self, tokens: int) -> None:
+        bisect.insort(self.left, tokens)
+        self.count += 1
+
+
+def past_beta_prefix(
+    placements: Sequence[Placement],
+    tokens: Mapping[str, int],
+    queue_of: Callable[[str], PrefillQueue | None],
+) -> int:
+    """How many of `placements` (a round's with beta lifted, in its order) stand: each on a PE whose
+    short-first queue (`queue_of`: None for a PE that does not order so) takes its request's `tokens`
+    (request id -> compute tokens) with the ones before it added; the first that does not ends them, as
+    each placement of a round counted the ones before it."""
+    queues: dict[str, PrefillQueue | None] = {}
+    for n, placement in enumerate(placements):
+        if placement.pe_id not in queues:
+            queues[placement.pe_id] = queue_of(placement.pe_id)
+        queue, need = queues[placement.pe_id], tokens[placement.request_id]
+        if queue is None or not queue.takes(need):
+            return n
+        queue.add(need)
+    return len(placements)

@@ -16,7 +16,6 @@ an agent's warm turn is not held behind every cold prompt that arrived before it
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import math
 import time
@@ -26,7 +25,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from services.policy.round import RoundState, place_table_round
-from services.policy.short_first import RATIO, WaitingPrefill, postponements, short_first_order, work_ahead
+from services.policy.short_first import (
+    RATIO,
+    PrefillQueue,
+    WaitingPrefill,
+    past_beta_prefix,
+    postponements,
+    short_first_order,
+)
 from services.policy.snapshot import PendingRequest, Placement
 from services.policy.thresholds import Thresholds, thresholds_from_rates
 from services.router import metrics
@@ -73,24 +79,6 @@ class _Waiting:
         """The request as the short-first rule sees it: the tokens its PE computes (at least one)."""
         compute = max(1, self.request.prompt_tokens - self.request.hit_tokens)
         return WaitingPrefill(compute, compute, self.postponed_tokens)
-
-
-@dataclass(slots=True)
-class _PrefillView:
-    """A short-first PE's queue as its report states it: tokens left per prefill (the fewest, ascending),
-    how many prefills in all, and the compute tokens it runs in beta_s."""
-
-    left: list[int]
-    count: int
-    limit: float
-
-    def takes(self, tokens: int) -> bool:
-        ahead = work_ahead(self.left, self.count, tokens)
-        return ahead is not None and ahead <= self.limit
-
-    def add(self, tokens: int) -> None:
-        bisect.insort(self.left, tokens)
-        self.count += 1
 
 
 class PlacementQueue:
@@ -186,24 +174,16 @@ class PlacementQueue:
             force_read_side=self.params.force_read_side,
         )  # fmt: skip
         by_id = {w.request.request_id: w for w in tries}
-        views: dict[str, _PrefillView | None] = {}
-        placed = 0
-        for placement in result.placements:  # each counted the ones before it: stop at the first that fails
-            w = by_id[placement.request_id]
-            if placement.pe_id not in views:
-                views[placement.pe_id] = self._view(placement.pe_id)
-            tokens, view = w.prefill().tokens_left, views[placement.pe_id]
-            if view is None or not view.takes(tokens):
-                break
-            self._note(placement, w.request)
-            view.add(tokens)
-            w.future.set_result(placement)
-            placed += 1
+        tokens = {rid: w.prefill().tokens_left for rid, w in by_id.items()}
+        placed = past_beta_prefix(result.placements, tokens, self._queue_of)
+        for placement in result.placements[:placed]:
+            self._note(placement, by_id[placement.request_id].request)
+            by_id[placement.request_id].future.set_result(placement)
         if placed:
             self.state = result.state
         return placed
 
-    def _view(self, pe_id: str) -> _PrefillView | None:
+    def _queue_of(self, pe_id: str) -> PrefillQueue | None:
         """A live PE that orders its queue shortest first, as its report lists it, with what this router
         sent it that its reports may not list yet; None for any other PE."""
         state = self.engines.get(pe_id)
@@ -217,7 +197,7 @@ class PlacementQueue:
         left, unlisted = r.prefill_left_tokens, [tokens for tokens, _, _ in sent.values()]
         if len(left) < r.num_prefills:  # the report lists the fewest: past its last, nothing is known
             unlisted = [x for x in unlisted if left and x <= left[-1]]
-        return _PrefillView(sorted([*left, *unlisted]), r.num_prefills + len(sent), limit)
+        return PrefillQueue(sorted([*left, *unlisted]), r.num_prefills + len(sent), limit)
 
     def _current_sent(self, pe_id: str, seq: int) -> dict[str, tuple[int, int, int]]:
         """What was sent to the PE that its report numbered `seq` may not list."""

@@ -15,13 +15,16 @@ from services.engine.slo_order import ShortFirstOrder, build_prefill_order
 from services.policy.batching import AttentionShape, BatchingLimits
 from services.policy.quota import QuotaPlanner, RateMeter
 from services.policy.short_first import (
+    PrefillQueue,
     WaitingPrefill,
     closed,
     next_shortest,
+    past_beta_prefix,
     postponements,
     short_first_order,
     work_ahead,
 )
+from services.policy.snapshot import Placement
 from shared.errors import ConfigError
 from tests.unit.engine.test_scheduler import FreeList, apply, sched, seq
 
@@ -67,6 +70,26 @@ def test_the_work_ahead_of_a_prefill_is_the_shorter_ones_unless_the_list_stops_b
     assert work_ahead([40, 100, 3100], 3, 5000) == 3240
     assert work_ahead([40, 100], 5, 99) == 40  # the three unlisted have at least 100 left
     assert work_ahead([40, 100], 5, 100) is None  # unknown: they may have 100 left too
+
+
+def test_past_beta_the_placements_stand_while_each_pe_takes_them_in_turn() -> None:
+    """A round with beta lifted placed four requests; the short-first PE p0 runs 200 tokens within beta_s
+    and has a 2,900-token prefill: 56 and 150 stand (the second counts the first), 180 then would wait
+    206 and ends it, and what came after it in the round does not stand either."""
+    queues = {"p0": PrefillQueue([2900], 1, 200.0), "p1": None}  # p1 orders first come, first served
+    calls: list[str] = []
+
+    def queue_of(pe: str) -> PrefillQueue | None:
+        calls.append(pe)
+        return queues[pe]
+
+    placements = [Placement(rid, "p0", "d0", None, None, 0) for rid in ("a", "b", "c", "d")]
+    tokens = {"a": 56, "b": 150, "c": 180, "d": 10}
+    assert past_beta_prefix(placements, tokens, queue_of) == 2
+    assert calls == ["p0"]  # read once per round
+    assert queues["p0"] is not None and queues["p0"].left == [56, 150, 2900]
+    assert past_beta_prefix([Placement("e", "p1", "d0", None, None, 0)], {"e": 1}, queue_of) == 0
+    assert past_beta_prefix([], {}, queue_of) == 0
 
 
 @pytest.mark.parametrize("seed", range(4))
