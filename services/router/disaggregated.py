@@ -63,8 +63,8 @@ class SchedulerParams:
 
 
 PREFILL_ORDERS = ("fcfs", "short-first")
-# short-first: requests a round tries to place past beta, in its order (each try is a round of its own); the
-# rest wait for the next round, which every load report starts
+# short-first: requests a round tries to place past beta, in its order (one more round, with beta lifted, over
+# them); the rest wait for the next round, which every load report starts
 PAST_BETA_TRIES = 8
 UNTAKEN_REPORTS = 100  # a sent prefill not acked within this many of its PE's reports never reached it
 
