@@ -37,20 +37,7 @@ async def test_short_prompts_pass_a_long_prefill_only_shortest_first(
     s.start("router", "router-0", "--http-port", "0")
     ready = await wait_ready(bus, {"index-0", "engine-0", "router-0"}, s.procs)
     url, engine = ready["router-0"].http_url, ready["engine-0"].http_url
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
-        long_task, long_first = stream_until_first_token(http, url, long_prompt, 2)
-        deadline = time.monotonic() + 60
-        while counter(await engine_metrics(http, engine), "kvpath_engine_prefill_tokens_total") < 64:
-            assert time.monotonic() < deadline and not long_first.is_set(), "the long prefill never started"
-            await asyncio.sleep(0.01)
-        done_before_long = []
-
-        async def short(i: int, prompt: list[int]) -> None:
-            await complete(http, url, prompt, 1, f"short{i}")
-            done_before_long.append(not long_first.is_set())
-
-        await asyncio.gather(*(short(i, p) for i, p in enumerate(shorts)))
-        assert len(await long_task) == 2
+    done_before_long = await shorts_after_long(url, engine, long_prompt, shorts)
     assert done_before_long == [order == "short-first"] * 3
 
 
@@ -76,10 +63,19 @@ async def test_on_pd_nodes_short_prompts_pass_a_long_prefill_when_the_router_ord
     ids = {"index-0", "storage-0", "de-0", "pe-0", "router-0"}
     ready = await wait_ready(bus, ids, s.procs, num_engines=2)
     url, pe = ready["router-0"].http_url, ready["pe-0"].http_url
+    done_before_long = await shorts_after_long(url, pe, long_prompt, shorts)
+    assert done_before_long == [router_order == "short-first"] * 3
+
+
+async def shorts_after_long(
+    url: str, engine: str, long_prompt: list[int], shorts: list[list[int]]
+) -> list[bool]:
+    """Stream the long prompt; once the engine at `engine` has prefilled 64 tokens of it, send the short
+    prompts; for each, whether it finished before the long prompt's first token came."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
         long_task, long_first = stream_until_first_token(http, url, long_prompt, 2)
         deadline = time.monotonic() + 60
-        while counter(await engine_metrics(http, pe), "kvpath_engine_prefill_tokens_total") < 64:
+        while counter(await engine_metrics(http, engine), "kvpath_engine_prefill_tokens_total") < 64:
             assert time.monotonic() < deadline and not long_first.is_set(), "the long prefill never started"
             await asyncio.sleep(0.01)
         done_before_long = []
@@ -90,4 +86,4 @@ async def test_on_pd_nodes_short_prompts_pass_a_long_prefill_when_the_router_ord
 
         await asyncio.gather(*(short(i, p) for i, p in enumerate(shorts)))
         assert len(await long_task) == 2
-    assert done_before_long == [router_order == "short-first"] * 3
+    return done_before_long
