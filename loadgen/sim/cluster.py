@@ -23,6 +23,7 @@ from loadgen.sim.scheduler import GlobalScheduler
 from loadgen.sim.traffic import TrafficCounters
 from loadgen.sim.workload import Workload
 from services.policy.load_table import LoadTable
+from services.policy.short_first import PrefillQueue
 from services.policy.snapshot import ROLE_DECODE, ROLE_PREFILL, EngineSnapshot, NodeSnapshot, Placement
 from services.policy.thresholds import Thresholds, thresholds_from_rates
 from shared.errors import ConfigError
@@ -85,11 +86,16 @@ class ClusterBase:
             self.load_table,
             self.thresholds,
             self._on_placed,
+            prefill_queue=self._prefill_queue if setup.config.prefill_order == "short-first" else None,
         )
         # each node's storage service reports its configured bandwidth, as the live one does
         self.read_rates = [setup.snic_bytes_per_s / self.kv_bytes_per_token] * len(self.nodes)
         self.fallback_prefill_tokens_per_s = self._fallback_rate()
         self.attention_balance: list[tuple[float, float]] = []  # (time, max/avg) per multi-rank step
+
+    def _prefill_queue(self, pe_id: str) -> PrefillQueue | None:
+        """A PE's queue as a short-first PE's load report lists it (the router's past-beta placement)."""
+        return self.pe_by_id[pe_id].prefill_queue(self.setup.config.beta_s)
 
     def _build_prefill(self) -> None:
         setup, g = self.setup, self.setup.gpus_per_node

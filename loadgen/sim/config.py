@@ -16,6 +16,7 @@ from shared.errors import ConfigError
 MODES = ("offline", "online")
 LAYERWISE = ("auto", "on", "off")
 BETA_RATES = ("prompt", "computed")
+PREFILL_ORDERS = ("fcfs", "short-first")
 MALS = ("32k", "48k", "64k")
 
 
@@ -49,6 +50,11 @@ class SimConfig:
     beta_s: float = doc(5.0, "beta: a PE with more than this many seconds of prefill gets no request")
     z_factor: float = doc(1.05, "DE high-token threshold multiplier")
     beta_rate: str = doc("prompt", "PE rate behind beta: prompt tokens (hit + miss) or computed tokens per s")
+    prefill_order: str = doc(
+        "fcfs",
+        "fcfs | short-first: the placement queue and every PE's queue fewest tokens to compute first, and "
+        "past beta on a PE whose shorter work takes under beta_s (the live --prefill-order)",
+    )
     block_size: int = doc(64, "tokens per KV block: hits are rounded down to whole blocks")
     fetch_period_s: float = doc(0.01, "at most one placement round per this many seconds (0: every change)")
     tpot_s: float = doc(0.0, "constant decode step seconds; 0: the model's linear step model")
@@ -76,6 +82,9 @@ class SimConfig:
         check(self.mal in MALS, "mal", self.mal, f"one of {', '.join(MALS)}")
         check(self.layerwise in LAYERWISE, "layerwise", self.layerwise, f"one of {', '.join(LAYERWISE)}")
         check(self.beta_rate in BETA_RATES, "beta_rate", self.beta_rate, f"one of {', '.join(BETA_RATES)}")
+        check(
+            self.prefill_order in PREFILL_ORDERS, "prefill_order", self.prefill_order, "fcfs or short-first"
+        )
         check(self.agents >= 1, "agents", self.agents, "must be >= 1")
         check(self.mode == "offline" or self.aps > 0, "aps", self.aps, "online mode needs --aps > 0")
         for name in ("cnic_gbit_per_s", "storage_ratio", "dram_gbyte_per_s", "compute_quota_s", "alpha_s"):

@@ -13,6 +13,7 @@ A group is the PEs that step together: a node's PEs for an expert-parallel model
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from loadgen.sim.config import SimSetup
 from loadgen.sim.events import EventLoop
@@ -28,6 +29,13 @@ from services.policy.batching import (
     plan_prefill_batch,
 )
 from services.policy.quota import RateMeter
+from services.policy.short_first import (
+    PrefillQueue,
+    WaitingPrefill,
+    closed,
+    postponements,
+    short_first_order,
+)
 from services.policy.snapshot import ReadSide
 
 EMPTY_RANK = RankBatch((), 0.0, 0.0)
@@ -49,20 +57,28 @@ def profile_attention(model: SimModel) -> AttentionProfile:
 class Work:
     """Prefill still to do: `cached` tokens have KV (hit or earlier chunks), `remaining` to compute."""
 
-    __slots__ = ("cached", "is_first_chunk", "remaining", "request")
+    __slots__ = ("cached", "is_first_chunk", "postponed", "remaining", "request", "total")
 
     def __init__(self, request: SimRequest, cached: int, remaining: int) -> None:
         self.request = request
         self.cached = cached
         self.remaining = remaining
+        self.total = remaining
         self.is_first_chunk = True
+        self.postponed = 0  # short-first: compute started ahead of it
+
+    def waiting(self) -> WaitingPrefill:
+        return WaitingPrefill(self.remaining, self.total, self.postponed)
 
 
 class PrefillEngine:
     __slots__ = (
+        "assigned",
+        "compute_rate",
         "engine_id",
         "index",
         "is_counting_prompt",
+        "is_short_first",
         "kv_cap_tokens",
         "limits",
         "model",
@@ -90,14 +106,31 @@ class PrefillEngine:
         self.num_unfinished = 0
         self.unfinished_tokens = 0
         self.prefill_rate = RateMeter()  # prompt (or computed) tokens per busy second, as a live PE
+        self.compute_rate = RateMeter()  # computed tokens per busy second
+        self.is_short_first = config.prefill_order == "short-first"
+        self.assigned: dict[str, int] = {}  # short-first: placed, unfinished requests -> tokens to compute
 
     def assign(self, request: SimRequest) -> None:
         self.num_unfinished += 1
         self.unfinished_tokens += request.prompt_tokens
+        if self.is_short_first:
+            self.assigned[request.request_id] = request.prompt_tokens - request.read_tokens
 
     def release(self, request: SimRequest) -> None:
         self.num_unfinished -= 1
         self.unfinished_tokens -= request.prompt_tokens
+        self.assigned.pop(request.request_id, None)
+
+    def prefill_queue(self, beta_s: float) -> PrefillQueue | None:
+        """Under short-first, the queue as a live PE's load report lists it (its placed, unfinished
+        prefills by tokens left: those still reading their hit, as placed), for the router's past-beta
+        placement; None under first come, first served or before a compute rate is measured."""
+        limit = beta_s * self.compute_rate.value
+        if not self.is_short_first or limit <= 0:
+            return None
+        queued = {w.request.request_id: w.remaining for w in self.queue}
+        left = sorted(queued.get(rid, tokens) for rid, tokens in self.assigned.items())
+        return PrefillQueue(left, len(left), limit)
 
     def add_work(self, request: SimRequest) -> None:
         cached = request.read_tokens
@@ -115,12 +148,21 @@ class PrefillEngine:
                 if offered and tokens > self.kv_cap_tokens:
                     break
                 offered.append(work)
+        if self.is_short_first:
+            offered = short_first_offer(offered)
         queue = [PrefillWork(w.request.request_id, w.cached, w.remaining) for w in offered]
         plan = plan_prefill_batch(queue, self.profile, self.model.attention_shape, self.limits)
         batch = []
         for work, item in zip(offered, plan.items, strict=False):
-            assert item.request_id == work.request.request_id, "the planner keeps FIFO order"
+            assert item.request_id == work.request.request_id, "the planner keeps the offered order"
             batch.append((work, item.new_tokens))
+        if self.is_short_first:  # what the batch passed (the queue is in arrival order)
+            index = {id(w): i for i, w in enumerate(self.queue)}
+            placed = [index[id(w)] for w, _ in batch]
+            for w, added in zip(
+                self.queue, postponements([w.waiting() for w in self.queue], placed), strict=True
+            ):
+                w.postponed += added
         return batch
 
     def rank_batch(self, batch: list[tuple[Work, int]], kv_bytes_per_layer_token: float) -> RankBatch:
@@ -139,18 +181,43 @@ class PrefillEngine:
         """Apply a finished step: advance the chunks, update the measured rate; return finished requests."""
         if not batch:
             return []
-        units = 0
+        units = computed = 0
         done: list[SimRequest] = []
         for work, new_tokens in batch:
+            computed += new_tokens
             units += new_tokens + (work.cached if self.is_counting_prompt and work.is_first_chunk else 0)
             work.cached += new_tokens
             work.remaining -= new_tokens
             work.is_first_chunk = False
             if work.remaining <= 0:
                 done.append(work.request)
-        del self.queue[: len(done)]  # finished work is a FIFO prefix (only the last item may be chunked)
+        if self.is_short_first:
+            self.queue = [w for w in self.queue if w.remaining > 0]
+        else:
+            del self.queue[: len(done)]  # finished work is a FIFO prefix (only the last item may be chunked)
         self.prefill_rate.add(units, duration_s)
+        self.compute_rate.add(computed, duration_s)
         return done
+
+
+def short_first_offer(queue: list[Work]) -> list[Work]:
+    """A short-first PE's queue as its planner packs it (the engine's scheduler, `num_passing`): the
+    waiting works shortest first, those shorter than every partly prefilled one (none of them closed)
+    ahead of them, the rest after."""
+    partials = [w for w in queue if not w.is_first_chunk]
+    waiting = [w for w in queue if w.is_first_chunk]
+    waiting = [waiting[i] for i in short_first_order([w.waiting() for w in waiting])]
+    tasks = [w.waiting() for w in partials]
+    passed, ahead = 0, 0
+    for w in waiting:
+        if any(
+            t.tokens_left <= w.remaining or closed(replace(t, postponed_tokens=t.postponed_tokens + passed))
+            for t in tasks
+        ):
+            break
+        passed += w.remaining
+        ahead += 1
+    return waiting[:ahead] + partials + waiting[ahead:]
 
 
 class PrefillGroup:

@@ -32,6 +32,9 @@ from services.policy.snapshot import Placement
 
 RATIO = 1.0  # default: shorter prefills may pass a prefill for up to its own compute
 SCAN = 64  # a long queue is ordered by its head: ordering stays O(SCAN^2), whatever the queue's length
+# requests a placement round tries past beta, in its order (one more round, with beta lifted, over them); the
+# rest wait for the next round
+PAST_BETA_TRIES = 8
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from services.policy.round import RoundState, place_table_round
 from services.policy.short_first import (
+    PAST_BETA_TRIES,
     RATIO,
     PrefillQueue,
     WaitingPrefill,
@@ -63,9 +64,6 @@ class SchedulerParams:
 
 
 PREFILL_ORDERS = ("fcfs", "short-first")
-# short-first: requests a round tries to place past beta, in its order (one more round, with beta lifted, over
-# them); the rest wait for the next round, which every load report starts
-PAST_BETA_TRIES = 8
 UNTAKEN_REPORTS = 100  # a sent prefill not acked within this many of its PE's reports never reached it
 
 
