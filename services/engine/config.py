@@ -34,6 +34,11 @@ class EngineConfig(BaseConfig):
     num_kv_blocks: int = doc(0, "paged KV cache size in blocks; 0 derives it from kv_cache_bytes")
     max_num_seqs: int = doc(64, "most sequences in one decode batch")
     max_num_batched_tokens: int = doc(2048, "prefill token budget per step (chunked prefill beyond it)")
+    step_target_s: float = doc(
+        0.0,
+        "size each step's prefill budget so a step takes about this long at the measured compute rate "
+        "(64 tokens to max_num_batched_tokens); 0: the fixed budget",
+    )
     warmup_prefill_tokens: int = doc(
         512,
         "one prefill of this many tokens at start: it measures the prefill rate the first load report "
@@ -119,6 +124,7 @@ class EngineConfig(BaseConfig):
         sized = ("kv_cache_bytes", "storage_staging_bytes", "de_buffer_bytes", "pe_receive_bytes")
         for name in (*sized, "pe_staging_bytes", "session_staging_bytes"):
             check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0 (0: sized by the model)")
+        check(0 <= self.step_target_s <= 3600, "step_target_s", self.step_target_s, "between 0 and 3600")
         check(self.warmup_prefill_tokens >= 0, "warmup_prefill_tokens", self.warmup_prefill_tokens, ">= 0")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")

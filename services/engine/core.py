@@ -25,7 +25,7 @@ from services.engine.outbox import Outgoing, Publish, TokenOutbox
 from services.engine.sampling import banned_token_ids, new_sequence, sampling_options
 from services.engine.scheduler import EngineScheduler, PrefillChunk, StepPlan
 from services.engine.sequence import SeqStatus, Sequence
-from services.engine.slo_order import build_prefill_order
+from services.engine.slo_order import configure_scheduler
 from services.engine.step_faults import retry_alone
 from services.engine.stopping import check_stop
 from services.policy.batching import AttentionShape, BatchingLimits
@@ -75,9 +75,7 @@ class EngineCore:
         self.step_count = 0
         self.prefill_rates = PrefillRates()  # prompt and compute tokens per second (load_state.py)
         self.step_rate = RateMeter()  # decoding steps per second of the loop (load_state.py)
-        self.scheduler.prefill_order = build_prefill_order(config, self.prefill_rates.compute)
-        is_short_first = config.prefill_order == "short-first"
-        self.scheduler.short_first_ratio = config.short_first_ratio if is_short_first else None
+        configure_scheduler(self.scheduler, config, self.quota, self.prefill_rates.compute)
         self.outbox = TokenOutbox(engine_id, publish)
         self.grammars = GrammarCompiler(runner.tokenizer)
         self.is_draining = False

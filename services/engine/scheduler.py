@@ -84,6 +84,7 @@ class EngineScheduler:
         # None: partly prefilled sequences take the step's budget first. A ratio (shortest-first order): a
         # waiting sequence with fewer tokens left to compute goes ahead of them while none is `closed`.
         self.short_first_ratio: float | None = None
+        self.step_budget: Callable[[], int] | None = None  # the token budget of each step, when it varies
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -179,6 +180,8 @@ class EngineScheduler:
     # --------------------------------------------------------------------------------------- schedule
 
     def schedule(self) -> StepPlan:
+        if self.step_budget is not None:  # `step_target_s`: the budget from the measured compute rate
+            self.max_num_batched_tokens = self.step_budget()
         plan = StepPlan()
         self._schedule_decodes(plan)
         if self.prefill_planner is not None:

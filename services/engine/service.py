@@ -133,7 +133,7 @@ class EngineService(Service):
             is_draining=self.core.is_draining or self.status != "ready",
             kv_format=self.core.kv_format,
             route=self.connector.route_capability() if self.connector is not None else None,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_batched_tokens=self.core.scheduler.max_num_batched_tokens,
             compute_id=self.runner.compute_id,
             **load,
         )

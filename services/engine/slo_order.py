@@ -18,11 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.engine.config import EngineConfig
-from services.engine.scheduler import waiting_prefill
+from services.engine.scheduler import EngineScheduler, waiting_prefill
 from services.engine.sequence import Sequence
+from services.engine.step_budget import adaptive_budget
 from services.policy.ampd_costs import CostModel, linear_cost_model
 from services.policy.ampd_reorder import QueuedPrefill, next_order
-from services.policy.quota import RateMeter
+from services.policy.quota import QuotaPlanner, RateMeter
 from services.policy.short_first import WaitingPrefill, next_shortest
 from services.policy.thresholds import FALLBACK_PREFILL_TOKENS_PER_S
 
@@ -133,3 +134,14 @@ class _MeasuredCosts:
             if abs(measured - modelled) > 0.1 * modelled:
                 self._model = self._build(measured)
         return self._model
+
+
+def configure_scheduler(
+    scheduler: EngineScheduler, config: EngineConfig, quota: QuotaPlanner | None, compute_rate: RateMeter
+) -> None:
+    """The scheduler's prefill order (`--prefill-order`: slo from the compute rate measured here,
+    short-first with its ratio) and its step budget (`--step-target-s`, services/engine/step_budget.py)."""
+    scheduler.prefill_order = build_prefill_order(config, compute_rate)
+    scheduler.step_budget = adaptive_budget(config, quota, compute_rate)
+    if config.prefill_order == "short-first":
+        scheduler.short_first_ratio = config.short_first_ratio

@@ -76,3 +76,19 @@ class RateMeter:
             return
         rate = units / seconds
         self.value = rate if self.value == 0 else (1 - self._weight) * self.value + self._weight * rate
+
+
+MIN_STEP_TOKENS = 64
+
+
+def step_budget(
+    compute_tokens_per_s: float, target_s: float, max_tokens: int, min_tokens: int = MIN_STEP_TOKENS
+) -> int:
+    """Prefill tokens per step so that a step takes about `target_s` at the measured compute rate, within
+    [min_tokens, max_tokens] (`max_tokens` until a rate is measured, or with no target). Sarathi-Serve sizes
+    its chunks from a time-between-tokens target the same way. Measured on steps of the budget it sets, the
+    rate b / (c0 + c1 b) of a step with fixed cost c0 makes the budget settle where a step takes `target_s`
+    (the map's slope there is c0 / target_s < 1)."""
+    if target_s <= 0 or compute_tokens_per_s <= 0:
+        return max_tokens
+    return max(min(min_tokens, max_tokens), min(max_tokens, int(compute_tokens_per_s * target_s)))

@@ -18,6 +18,7 @@ from services.engine.core import EngineCore
 from services.engine.load_state import MAX_RELEASES, release_schedule
 from services.engine.sequence import SeqStatus
 from services.engine.warmup import seed_prefill_rates
+from services.policy.quota import step_budget
 from shared.hashing import block_hashes
 from shared.protocol import (
     COMPUTE_RATE,
@@ -192,3 +193,28 @@ async def test_a_short_first_engine_reports_the_tokens_left_of_its_prefills(
         assert decode(encode(report), LoadReport) == report
     finally:
         await core.close()
+
+
+def test_a_step_target_sizes_the_budget_from_the_measured_compute_rate(runner: ModelRunner) -> None:
+    """`--step-target-s`: each step's prefill budget is the tokens the measured compute rate runs in the
+    target (the warm-up gives the first rate), within 64 and max_num_batched_tokens, on the plain budget and
+    on a prefill engine's compute-quota planner; the load report says the budget in force."""
+
+    async def publish(router_id: str, batch: TokenBatch) -> None:
+        return None
+
+    assert step_budget(300.0, 1.0, 2048) == 300
+    assert step_budget(0.0, 1.0, 2048) == 2048 and step_budget(300.0, 0.0, 2048) == 2048  # unmeasured; off
+    assert step_budget(10.0, 1.0, 2048) == 64 and step_budget(1e6, 1.0, 2048) == 2048
+    assert step_budget(10.0, 1.0, 32) == 32
+    fixed = EngineCore(EngineConfig(model="tiny"), runner, "engine-f", publish)
+    assert fixed.scheduler.step_budget is None
+    for role in ("colocated", "prefill"):
+        config = EngineConfig(model="tiny", role=role, step_target_s=0.05, max_num_batched_tokens=4096)
+        core = EngineCore(config, runner, f"engine-{role}", publish)
+        assert core.scheduler.schedule().is_empty and core.scheduler.max_num_batched_tokens == 4096
+        core.prefill_rates.count(3000, 0, 1.0)  # 3,000 tokens/s measured
+        core.scheduler.schedule()
+        assert core.scheduler.max_num_batched_tokens == 150
+        if role == "prefill":
+            assert core.quota is not None and core.quota.limits.max_num_batched_tokens == 150

@@ -1,0 +1,29 @@
+"""A step's prefill token budget from a time target (`--step-target-s`): on hardware where a step of the fixed
+budget takes seconds (2,048 SmolLM2 tokens take 5-7 s on two CPU cores), every running decode stalls that long
+and a warm turn that the shortest-first order would admit next waits for it. The engine sizes the budget
+from the compute rate it measures (`services/policy/quota.step_budget`; the warm-up prefill gives the first
+one), for the plain token budget and for a prefill engine's compute-quota planner alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from services.engine.config import EngineConfig
+from services.policy.quota import QuotaPlanner, RateMeter, step_budget
+
+
+def adaptive_budget(
+    config: EngineConfig, quota: QuotaPlanner | None, rate: RateMeter
+) -> Callable[[], int] | None:
+    """The scheduler's `step_budget`: None without a target (the fixed `max_num_batched_tokens`)."""
+    if config.step_target_s <= 0:
+        return None
+
+    def budget() -> int:
+        tokens = step_budget(rate.value, config.step_target_s, config.max_num_batched_tokens)
+        if quota is not None and quota.limits.max_num_batched_tokens != tokens:
+            quota.limits = replace(quota.limits, max_num_batched_tokens=tokens)
+        return tokens
+
+    return budget
