@@ -13,7 +13,6 @@ A group is the PEs that step together: a node's PEs for an expert-parallel model
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 from loadgen.sim.config import SimSetup
 from loadgen.sim.events import EventLoop
@@ -32,7 +31,7 @@ from services.policy.quota import RateMeter
 from services.policy.short_first import (
     PrefillQueue,
     WaitingPrefill,
-    closed,
+    num_passing,
     postponements,
     short_first_order,
 )
@@ -201,22 +200,13 @@ class PrefillEngine:
 
 
 def short_first_offer(queue: list[Work]) -> list[Work]:
-    """A short-first PE's queue as its planner packs it (the engine's scheduler, `num_passing`): the
-    waiting works shortest first, those shorter than every partly prefilled one (none of them closed)
-    ahead of them, the rest after."""
+    """A short-first PE's queue as its planner packs it (the engine's scheduler): the waiting works
+    shortest first, those that may pass every partly prefilled one (`num_passing`) ahead of them, the rest
+    after."""
     partials = [w for w in queue if not w.is_first_chunk]
     waiting = [w for w in queue if w.is_first_chunk]
     waiting = [waiting[i] for i in short_first_order([w.waiting() for w in waiting])]
-    tasks = [w.waiting() for w in partials]
-    passed, ahead = 0, 0
-    for w in waiting:
-        if any(
-            t.tokens_left <= w.remaining or closed(replace(t, postponed_tokens=t.postponed_tokens + passed))
-            for t in tasks
-        ):
-            break
-        passed += w.remaining
-        ahead += 1
+    ahead = num_passing([w.waiting() for w in waiting], [w.waiting() for w in partials])
     return waiting[:ahead] + partials + waiting[ahead:]
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.engine.sequence import SeqStatus, Sequence
-from services.policy.short_first import WaitingPrefill, closed
+from services.policy.short_first import WaitingPrefill, closed, num_passing
 from shared.blocks import blocks_for
 
 # Decides the next prefill batch: (request id, cached tokens, remaining tokens) in FIFO order in,
@@ -235,7 +235,11 @@ class EngineScheduler:
         partials = [s for s in self.running if s.is_prefilling]
         queued = list(self.waiting)[:room] if not plan.preempted else []
         ratio = self.short_first_ratio
-        ahead = queued[: num_passing(queued, partials, ratio)] if ratio is not None else []
+        if ratio is not None:
+            waiting = [waiting_prefill(s) for s in queued]
+            ahead = queued[: num_passing(waiting, [waiting_prefill(p) for p in partials], ratio)]
+        else:
+            ahead = []
         candidates = ahead + partials + queued[len(ahead) :]
         work = [(s.request_id, _start(s), s.prefill_target - _start(s)) for s in candidates]
         by_id = {s.request_id: s for s in candidates}
@@ -292,21 +296,6 @@ class EngineScheduler:
             PrefillChunk(seq=seq, start=start, num_tokens=num, load_tokens=load, sample=sample)
         )
         return num
-
-
-def num_passing(queued: list[Sequence], partials: list[Sequence], ratio: float) -> int:
-    """How many of `queued` (in their order) go ahead of the partly prefilled `partials` (short-first):
-    while the next has fewer tokens left to compute than each of them and none of them is `closed`,
-    counting the passes before it (what `_admit` does, for the compute-quota planner's batch)."""
-    tasks = [waiting_prefill(p) for p in partials]
-    passed = 0
-    for k, seq in enumerate(queued):
-        left = seq.prefill_target - _start(seq)
-        for t in tasks:
-            if t.tokens_left <= left or t.postponed_tokens + passed >= ratio * t.tokens_total:
-                return k  # not shorter, or `closed` once the ones before it passed
-        passed += left
-    return len(queued)
 
 
 def waiting_prefill(seq: Sequence) -> WaitingPrefill:

@@ -62,6 +62,21 @@ def next_shortest(queue: Sequence[WaitingPrefill], ratio: float = RATIO) -> int:
     return best
 
 
+def num_passing(
+    waiting: Sequence[WaitingPrefill], partials: Sequence[WaitingPrefill], ratio: float = RATIO
+) -> int:
+    """How many of `waiting` (in the order they are offered) go ahead of the partly prefilled `partials`:
+    while the next has fewer tokens left than each of them and none of them is `closed`, counting the
+    passes before it."""
+    passed = 0
+    for k, task in enumerate(waiting):
+        for p in partials:
+            if p.tokens_left <= task.tokens_left or p.postponed_tokens + passed >= ratio * p.tokens_total:
+                return k  # not shorter, or `closed` once the ones before it passed
+        passed += task.tokens_left
+    return len(waiting)
+
+
 def short_first_order(queue: Sequence[WaitingPrefill], ratio: float = RATIO, scan: int = SCAN) -> list[int]:
     """The order to offer `queue` (arrival order) in: `next_shortest` over its first `scan` tasks, again
     over what is left after each pick, each pick postponing the tasks it passes as it would if placed;
