@@ -7,9 +7,11 @@ uniform); a Fibonacci multiply picks each key's own slot from the high bits, and
 `_BUCKET` slots (one 64-byte line of keys) that slot lies in.
 
 Placement: a key goes into its own slot if that is free; else into any free slot of its home bucket; else
-into the first later bucket (wrapping) with a free slot. So about 4 keys in 5 sit in their own slot at
-load 1/2, a lookup compares one key per key and resolves the rest by rows, and a bucket that ever
-overflowed holds no empty slot (a removal leaves a tombstone), which is where a search stops.
+into the first later bucket (wrapping) with a free slot, and then also into the stash, a dict of key ->
+slot for the live keys outside their home bucket (about 1 in 500 at load 1/2, ~100 bytes each: under a
+byte per entry). So about 4 keys in 5 sit in their own slot, a lookup compares one key per key, finds
+the rest in their home buckets' rows, and asks the stash only for the few not there: a key in neither is
+absent, with no search past its home bucket.
 
 Invariant (what lets a lookup trust one compare): a slot without a live entry holds a key that is not
 homed in its bucket (`_vacant_key`: 0, or 1 in bucket 0, the only bucket key 0 is homed in), so a key
@@ -26,9 +28,6 @@ _MAX_LOAD = 0.5
 _MIN_CAPACITY = 1024
 _BUCKET_BITS = 3
 _BUCKET = 1 << _BUCKET_BITS  # slots per home bucket: one 64-byte line of keys
-_WINDOW = 4  # buckets a search reads per round (few keys overflow further than the next bucket)
-_WINDOW_SLOTS = np.arange(_WINDOW * _BUCKET, dtype=np.int64)
-_FEW_BEYOND = 8  # keys of a chain outside their home buckets a match searches without a gap check first
 _LINE = 64  # bytes: arrays start on a cache line, so a bucket's keys are one line, not two
 
 
@@ -55,6 +54,7 @@ class U64Table:
         "_bits",
         "_key_rows",
         "_slot_shift",
+        "_stash",
         "_state_rows",
         "keys",
         "num_live",
@@ -75,6 +75,7 @@ class U64Table:
         self._slot_shift = np.uint64(64 - self._bits)
         self.states = _zeros_aligned(capacity, np.uint8)
         self._state_rows = self.states.reshape(-1, _BUCKET)
+        self._stash: dict[int, int] = {}  # key -> slot of each live key outside its home bucket
         self.num_live = 0
         self.num_tombstones = 0
 
@@ -103,8 +104,8 @@ class U64Table:
     def find(self, keys: np.ndarray, *, prefix_only: bool = False) -> np.ndarray:
         """Slot of each key, -1 where absent.
 
-        `prefix_only`: only the keys before the first absent one matter (a prefix match); the search stops
-        for every later key as soon as an earlier key is known to be absent, and those report -1.
+        `prefix_only`: only the keys before the first absent one matter (a prefix match); every later key
+        reports -1.
         """
         if keys.size == 0 or self.num_live == 0:
             return np.full(keys.size, -1, dtype=np.int64)
@@ -112,67 +113,20 @@ class U64Table:
         at_home = self.keys.take(slots, mode="clip") == keys
         if np.count_nonzero(at_home) == keys.size:
             return slots
-        result = np.where(at_home, slots, -1)
-        away = (~at_home).nonzero()[0]
-        self._search(keys, away, slots[away] >> _BUCKET_BITS, result, prefix_only=prefix_only)
-        return result
+        beyond = self._in_home_rows(keys, slots, at_home)
+        for pos, key in zip(*self._listed(keys, beyond), strict=True):
+            slot = self._stash.get(key, -1)
+            if slot < 0 and prefix_only:
+                slots[pos:] = -1
+                break
+            slots[pos] = slot
+        return slots
 
-    def _search(
-        self, keys: np.ndarray, idx: np.ndarray, buckets: np.ndarray, result: np.ndarray, *, prefix_only: bool
-    ) -> bool:
-        """Set result[idx] to the slots of keys[idx] (-1: absent), searching from `buckets` (their home
-        buckets) on, `_WINDOW` buckets per round: a key is absent once a bucket it has passed has an
-        empty slot. A key is stored once, so a live slot holding it anywhere in the window
-        is its slot, and as many hits as keys means every key left was found (the usual case: one round).
-        True when every key was found."""
-        mask = self.capacity - 1
-        width = _WINDOW * _BUCKET
-        found_all = True
-        while idx.size:
-            window = (buckets << _BUCKET_BITS)[:, None] + _WINDOW_SLOTS  # `take` wraps past the end
-            states = self.states.take(window, mode="wrap").reshape(-1)
-            found = self.keys.take(window, mode="wrap") == keys[idx][:, None]
-            # past the home bucket a vacant slot may hold the key searched for (0 or 1): check states
-            found = found.reshape(-1) & (states == _FULL)
-            # flat positions instead of per-row reductions (a reduction over a short axis is slow in numpy)
-            at = found.nonzero()[0]  # at most one per key
-            if at.size == idx.size:
-                result[idx] = window.reshape(-1)[at] & mask
-                return found_all
-            hit = np.zeros(idx.size, dtype=bool)
-            hit[at // width] = True
-            result[idx[hit]] = window.reshape(-1)[at] & mask
-            empty = np.zeros(idx.size, dtype=bool)
-            empty[(states == _EMPTY).nonzero()[0] // width] = True
-            go_on = ~hit & ~empty
-            if prefix_only and (absent := ~hit & empty).any():
-                go_on &= idx < idx[absent].min()
-            if (stopped := ~hit & ~go_on).any():
-                result[idx[stopped]] = -1
-                found_all = False
-            idx, buckets = idx[go_on], buckets[go_on] + _WINDOW
-        return found_all
-
-    def prefix_values(self, keys: np.ndarray) -> np.ndarray:
-        """Values of the leading present keys of a chain (stops at the first absent one).
-
-        The hot path of a prefix match: about fifteen numpy calls for the whole chain and no Python per
-        key. By the module's invariant a key matches its own slot only where it lives, so as many matches
-        as keys means every key is found. Otherwise `_prefix_slots` finds the others (~1 in 5), first in
-        their home buckets' rows (a `take` of a contiguous 2D view, one cache line each). Gathers use
-        `mode="clip"`: every index is in range by construction, and the default bounds check ("raise")
-        costs ~0.3 us per `take` of 512.
-        """
-        if keys.size == 0 or self.num_live == 0:
-            return np.zeros(0, dtype=np.uint64)
-        slots = self._home(keys)
-        at_home = self.keys.take(slots, mode="clip") == keys
-        if np.count_nonzero(at_home) != keys.size:
-            slots = self._prefix_slots(keys, slots, at_home)
-        return self.values.take(slots, mode="clip")
-
-    def _prefix_slots(self, keys: np.ndarray, slots: np.ndarray, at_home: np.ndarray) -> np.ndarray:
-        """Slots of a chain's leading present keys when some keys are not in their own slot."""
+    def _in_home_rows(self, keys: np.ndarray, slots: np.ndarray, at_home: np.ndarray) -> np.ndarray | None:
+        """For the keys not in their own slot (`away`, positions in `keys`), look in their home buckets'
+        rows (one `take` of a contiguous 2D view, one cache line each): set `slots[away]` to where each
+        is found there and return the positions of those that are not (None: none), whose `slots`
+        entries are then their bucket's first slot, to be overwritten."""
         away = (~at_home).nonzero()[0]
         buckets = slots[away] >> _BUCKET_BITS
         rows = self._key_rows.take(buckets, axis=0, mode="clip") == keys[away][:, None]
@@ -181,21 +135,45 @@ class U64Table:
         buckets += offsets
         slots[away] = buckets
         if np.count_nonzero(rows) == away.size:  # the usual case: each is elsewhere in its home bucket
-            return slots
-        beyond = away[rows.view(np.uint64).reshape(-1) == 0]  # 8 bools as one word: not in the home bucket
-        buckets = slots[beyond] >> _BUCKET_BITS
-        if beyond.size > _FEW_BEYOND:  # likely a chain running into unknown blocks: find where it ends
-            # a key not in its home bucket is absent if that bucket has an empty slot
-            empty = self._state_rows.take(buckets, axis=0, mode="clip") == _EMPTY
-            if (gap := empty.view(np.uint64).reshape(-1) != 0).any():
-                first = int(gap.argmax())
-                slots = slots[: beyond[first]]
-                beyond, buckets = beyond[:first], buckets[:first]
-        # overflowed into later buckets, or absent
-        if self._search(keys, beyond, buckets, slots, prefix_only=True):
-            return slots
-        absent = slots < 0
-        return slots[: int(np.argmax(absent))] if absent.any() else slots
+            return None
+        return away[rows.view(np.uint64).reshape(-1) == 0]  # 8 bools as one word: not in the home bucket
+
+    def prefix_values(self, keys: np.ndarray) -> np.ndarray:
+        """Values of the leading present keys of a chain (stops at the first absent one).
+
+        The hot path of a prefix match: about fifteen numpy calls for the whole chain and no Python per
+        key. By the module's invariant a key matches its own slot only where it lives, so as many matches
+        as keys means every key is found. Otherwise the others (~1 in 5) are looked up in their home
+        buckets' rows, and the few outside it (~1 in 500) in the stash. Gathers use `mode="clip"`: every
+        index is in range by construction, and the default bounds check ("raise") costs ~0.3 us per
+        `take` of 512.
+        """
+        if keys.size == 0 or self.num_live == 0:
+            return np.zeros(0, dtype=np.uint64)
+        slots = self._home(keys)
+        at_home = self.keys.take(slots, mode="clip") == keys
+        if np.count_nonzero(at_home) != keys.size:
+            if (beyond := self._in_home_rows(keys, slots, at_home)) is not None:
+                slots = self._stashed_prefix(keys, slots, beyond)
+        return self.values.take(slots, mode="clip")
+
+    @staticmethod
+    def _listed(keys: np.ndarray, positions: np.ndarray | None) -> tuple[list[int], list[int]]:
+        if positions is None:
+            return [], []
+        return positions.tolist(), keys[positions].tolist()
+
+    def _stashed_prefix(self, keys: np.ndarray, slots: np.ndarray, beyond: np.ndarray) -> np.ndarray:
+        """`slots` up to the first absent key, the keys at positions `beyond` (ascending) being not in
+        their home buckets: each is in the stash, or absent (a chain running into unknown blocks stops at
+        its first such key, so this loop is short either way)."""
+        stash = self._stash
+        for pos, key in zip(*self._listed(keys, beyond), strict=True):
+            slot = stash.get(key)
+            if slot is None:
+                return slots[:pos]
+            slots[pos] = slot
+        return slots
 
     def get(self, keys: np.ndarray, *, prefix_only: bool = False) -> np.ndarray:
         """Value of each key, 0 where absent (see `find` for `prefix_only`)."""
@@ -238,6 +216,11 @@ class U64Table:
 
     def _delete_zeros(self, slots: np.ndarray) -> int:
         dead = slots[self.values[slots] == 0]
+        if self._stash:
+            dead_keys = self.keys[dead]
+            outside = self._home_bucket(dead_keys) != dead >> _BUCKET_BITS
+            for key in dead_keys[outside].tolist():
+                del self._stash[key]
         self.states[dead] = _TOMB
         self.keys[dead] = _vacant_key(dead)
         self.num_live -= int(dead.size)
@@ -261,9 +244,10 @@ class U64Table:
         while idx.size:
             free = self._state_rows[buckets] != _FULL
             room = free.any(axis=1)
-            placed = self._fill(
-                keys, values, idx[room], (buckets[room] << _BUCKET_BITS) + free[room].argmax(axis=1)
-            )
+            tried, chosen = idx[room], (buckets[room] << _BUCKET_BITS) + free[room].argmax(axis=1)
+            placed = self._fill(keys, values, tried, chosen)
+            if (outside := placed[tried] & (chosen >> _BUCKET_BITS != slots[tried] >> _BUCKET_BITS)).any():
+                self._stash.update(zip(keys[tried[outside]].tolist(), chosen[outside].tolist(), strict=True))
             buckets[~room] = (buckets[~room] + 1) & last
             left = ~placed[idx]
             idx, buckets = idx[left], buckets[left]

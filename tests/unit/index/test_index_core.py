@@ -244,9 +244,9 @@ def test_prefix_values_see_only_live_keys_in_a_bucket_of_tombstones_and_vacant_s
     assert index.match(others).per_location == {"store": 100}
 
 
-def test_keys_overflowing_past_a_search_window_and_around_the_end_are_found_and_absent_keys_are_not() -> None:
+def test_keys_overflowing_far_and_around_the_end_are_found_in_the_stash_and_absent_keys_are_not() -> None:
     """50 keys homed in the last bucket fill it and spill over the wrap into buckets 0..5, further than
-    one search round reads; removing some leaves tombstones in the run. Every lookup (`get`,
+    the next bucket; removing some leaves tombstones in the run. Every lookup (`get`,
     `prefix_values`, a re-insert) agrees with a dict, and keys 0 and 1, which vacant slots hold past
     the home bucket, are not found there."""
     rng = np.random.default_rng(9)
@@ -262,17 +262,25 @@ def test_keys_overflowing_past_a_search_window_and_around_the_end_are_found_and_
     kept = run[[i for i in range(run.size) if i % 5]]
     assert table.prefix_values(kept).tolist() == [1] * kept.size
     assert table.prefix_values(run[1:]).tolist() == [1] * 4  # run[5] was removed: the prefix ends
-    vacant = np.array([0, 1], dtype=np.uint64)  # bucket 0 is full of the run: key 0 searches further
+    vacant = np.array([0, 1], dtype=np.uint64)  # bucket 0 is full of the run: key 0 is in neither
     assert table.get(vacant).tolist() == [0, 0] and table.prefix_values(vacant).size == 0
     table.or_values(np.concatenate((vacant, run[::5])), 2)  # back in, into tombstones or later
     assert table.get(np.concatenate((vacant, run[::5]))).tolist() == [2, 2] + [2] * 10
     assert table.prefix_values(np.concatenate((run, vacant))).size == 52
 
 
+def _assert_stash_is_the_keys_outside_their_home_bucket(table: U64Table) -> None:
+    slots = np.flatnonzero(table.states == 1)
+    keys = table.keys[slots]
+    outside = table._home_bucket(keys) != slots // 8
+    assert table._stash == dict(zip(keys[outside].tolist(), slots[outside].tolist(), strict=True))
+
+
 def test_lookups_agree_with_a_dict_on_long_overflow_runs_across_the_wrap() -> None:
     """Random stores, removals and prefix matches on keys crowded into a few home buckets (0, 1, 5 and the
-    last two), so that overflow runs cross the table's end and reach further than one search round,
-    mixed with absent keys and keys 0 and 1: `prefix_values` and `get` agree with a dict throughout."""
+    last two), so that overflow runs cross the table's end and reach several buckets on, mixed with
+    absent keys and keys 0 and 1: `prefix_values` and `get` agree with a dict throughout, and the stash
+    holds exactly the live keys outside their home buckets."""
     rng = np.random.default_rng(123)
     for _ in range(40):
         table, ref = U64Table(capacity=1024), {}
@@ -289,3 +297,4 @@ def test_lookups_agree_with_a_dict_on_long_overflow_runs_across_the_wrap() -> No
             assert table.get(chain).tolist() == expected
             stored = rng.permutation(np.array(sorted(ref), dtype=np.uint64))[:100]
             assert table.prefix_values(stored).tolist() == [ref[k] for k in stored.tolist()]
+            _assert_stash_is_the_keys_outside_their_home_bucket(table)
