@@ -37,6 +37,8 @@ from shared.shm import ShmSegment
 log = logging.getLogger(__name__)
 
 _CONTROL_TIMEOUT_S = 2.0
+_OVERLOADED_FIRST_BACK_OFF_S = 0.02  # a write refused by a full queue is asked again after this, doubling
+_OVERLOADED_MAX_BACK_OFF_S = 0.5
 
 
 @dataclass(slots=True, eq=False)
@@ -261,22 +263,39 @@ class StorageClient:
     ) -> WriteResult:
         """Persist the staged blocks; returns once they are durable and announced. Frees the staging space.
 
-        Raises StorageError (storage full, I/O error) or ServiceUnavailable/DeadlineExceeded; the engine
-        keeps serving either way.
+        A node whose write queue is full (OverloadedError: it refused before reading anything) is asked
+        again after a back-off (20 ms, doubling, at most 0.5 s) until `timeout_s` runs out, the staged
+        bytes kept meanwhile: a burst of finished requests waits its turn instead of losing its KV.
+        Raises StorageError (storage full, I/O error), OverloadedError (still refused at the deadline) or
+        ServiceUnavailable/DeadlineExceeded; the engine keeps serving either way.
         """
+        loop = asyncio.get_running_loop()
         timeout = timeout_s or self.bus.request_timeout_s
-        msg = self._write_request(
-            staged, block_hashes, parent_hashes, request_id or uuid.uuid4().hex, timeout
-        )
+        deadline, back_off = loop.time() + timeout, _OVERLOADED_FIRST_BACK_OFF_S
+        request_id = request_id or uuid.uuid4().hex
         subject = self.bus.subjects.storage_write(self.node)
-        try:
-            reply = await self.bus.request(subject, msg, StorageWriteReply, timeout_s=timeout)
-        except (DeadlineExceededError, asyncio.CancelledError):
-            self._free_later(staged, timeout)  # the service may still be reading the staged bytes
-            raise
-        except KvpathError:
-            self.unstage(staged)
-            raise
+        while True:
+            remaining = max(deadline - loop.time(), 1e-3)
+            msg = self._write_request(staged, block_hashes, parent_hashes, request_id, remaining)
+            try:
+                reply = await self.bus.request(subject, msg, StorageWriteReply, timeout_s=remaining)
+                break
+            except (DeadlineExceededError, asyncio.CancelledError):
+                self._free_later(staged, remaining)  # the service may still be reading the staged bytes
+                raise
+            except OverloadedError:
+                if deadline - loop.time() <= back_off:
+                    self.unstage(staged)
+                    raise
+            except KvpathError:
+                self.unstage(staged)
+                raise
+            try:
+                await asyncio.sleep(back_off)  # nothing in flight: the staged bytes are ours
+            except asyncio.CancelledError:
+                self.unstage(staged)
+                raise
+            back_off = min(2 * back_off, _OVERLOADED_MAX_BACK_OFF_S)
         self.unstage(staged)
         return WriteResult(reply.num_written, reply.num_existing, reply.event_stream_seq)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 import pytest
 
@@ -71,6 +74,41 @@ async def test_write_deadline_keeps_staging_until_the_service_is_done(cluster: S
     alloc = node.client._staging_alloc
     assert alloc is not None and alloc.used_bytes > 0  # quarantined: the service may still read it
     await wait_for(lambda: alloc.used_bytes == 0, 5.0, "the quarantined staging space to be freed")
+
+
+async def test_writes_refused_by_a_full_queue_are_sent_again_and_all_land(cluster: StorageCluster) -> None:
+    """One write at a time on the node (~0.1 s each): four sent at once are refused three times over
+    (the queue holds one), and each lands once its turn comes, with the bytes it staged."""
+    node = await cluster.start(max_pending_writes=1, write_bandwidth_bytes_per_s=160_000.0)
+    chains = [chain(1, seed=i) for i in range(4)]
+    written = await asyncio.gather(
+        *(write_blocks(node.client, h, p, seed=i) for i, (h, p) in enumerate(chains))
+    )
+    for i, (hashes, _) in enumerate(chains):
+        async with await node.client.read(f"r{i}", hashes, deadline_s=5.0) as lease:
+            assert lease.num_blocks == 1 and np.array_equal(lease.views, written[i])
+    alloc = node.client._staging_alloc
+    assert alloc is not None and alloc.used_bytes == 0
+
+
+async def test_a_write_still_refused_at_its_deadline_fails_and_frees_its_staging(
+    cluster: StorageCluster,
+) -> None:
+    node = await cluster.start(max_pending_writes=1, write_bandwidth_bytes_per_s=20_000.0)  # ~1 s a block
+    slow_hashes, slow_parents = chain(1, seed=1)
+    slow = asyncio.create_task(write_blocks(node.client, slow_hashes, slow_parents))
+    alloc = node.client._staging_alloc
+    assert alloc is not None
+    await wait_for(lambda: node.service.writer.num_pending == 1, 5.0, "the slow write to be queued")
+    held = alloc.used_bytes
+    hashes, parents = chain(1, seed=2)
+    staged = node.client.stage(1)
+    started = time.monotonic()
+    with pytest.raises(OverloadedError, match="writes pending"):
+        await node.client.write(staged, hashes, parents, timeout_s=0.3)
+    assert 0.1 <= time.monotonic() - started < 0.6  # asked again (20, 40, 80 ms later), not past the deadline
+    assert alloc.used_bytes == held  # its own staging space is free again
+    await slow
 
 
 async def test_event_publisher_converts_numpy_hashes_and_orders_events(cluster: StorageCluster) -> None:
