@@ -18,7 +18,7 @@ from typing import Any
 from services.router import metrics
 from services.router.auto_dispatch import AutoDispatch
 from services.router.auto_pd import has_pd_engines
-from services.router.choices import ChoiceGroup
+from services.router.choices import ChoiceGate, ChoiceGroup
 from services.router.config import RouterConfig
 from services.router.disaggregated import DisaggregatedDispatch
 from services.router.dispatch import ColocatedDispatch, publish_abort
@@ -153,7 +153,7 @@ class RouterCore:
     ) -> list[AsyncGenerator[Piece]]:
         """One generator per choice (`len(usages)` of them; services/router/choices.py), as `generate`."""
         n = len(usages)
-        group = ChoiceGroup(n) if n > 1 and self.shares_prompt else None
+        group = None if n == 1 else ChoiceGroup(n) if self.shares_prompt else ChoiceGate()
         return [
             self.generate(prompt, choice_request_id(request_id, i), usages[i], i, group) for i in range(n)
         ]
@@ -164,11 +164,11 @@ class RouterCore:
         request_id: str,
         usage: Usage,
         choice: int = 0,
-        group: ChoiceGroup | None = None,
+        group: ChoiceGroup | ChoiceGate | None = None,
     ) -> AsyncGenerator[Piece]:
         """Dispatch and stream. The caller must exhaust or close the iterator (closing aborts the request).
         `choice`: which of the request's n samples (its seed is the request's plus `choice`); `group`: the
-        choices sent as one task (choice 0 dispatches it)."""
+        choices sent as one task (choice 0 dispatches it), or as n behind choice 0 (router/choices.py)."""
         if self.inflight >= self.config.max_inflight_requests:
             raise OverloadedError(f"router has {self.inflight} requests in flight; retry later")
         started = time.monotonic()
@@ -191,6 +191,8 @@ class RouterCore:
                 async for piece in self._pieces(stream, prompt, deadline, usage, started, again):
                     if piece.finish_reason is not None:  # a stop string may end it here first: abort
                         is_finished = stream.is_finished  # the engine's part then (it sent no finish)
+                    if group is not None:
+                        group.first_piece()
                     yield piece
             finally:
                 expiry.cancel()
@@ -207,7 +209,7 @@ class RouterCore:
             if not self.inflight:
                 self.is_idle.set()
             if group is not None:
-                group.left.add(request_id)
+                group.ended(request_id)
             task_ids = self.streams.close(request_id)
             if not is_finished:
                 for task_id in task_ids:
@@ -220,12 +222,18 @@ class RouterCore:
         usage: Usage,
         deadline: float,
         choice: int,
-        group: ChoiceGroup | None,
+        gated: ChoiceGroup | ChoiceGate | None,
     ) -> tuple[RequestStream, Redispatch | None]:
         """The choice's token stream once its task is dispatched (choice 0 of a group dispatches for all),
         and what dispatching it again takes (None for a group: its choices share one task)."""
-        if group is not None and choice > 0:
-            return await self._join(group, request_id, deadline), None
+        group = gated if isinstance(gated, ChoiceGroup) else None
+        if gated is not None and choice > 0:
+            try:
+                joined = await gated.join(self.streams, request_id, deadline - time.monotonic())
+            except TimeoutError:
+                raise self._deadline_error() from None
+            if joined is not None:
+                return joined, None
         others = (
             [] if group is None else [choice_request_id(request_id, i) for i in range(1, group.num_choices)]
         )
@@ -238,6 +246,8 @@ class RouterCore:
                 if group is not None and other not in group.left:
                     self.streams.open(other)
             again = None if group is not None else Redispatch.of(plan, locality)
+            if gated is not None and choice == 0:
+                gated.dispatched_prompt(plan.kv, locality, self.kv_planner)
             usage.timings.update(await self.dispatch.dispatch(plan, deadline, self.streams, locality))
         except BaseException as exc:
             self.kv_planner.decided(request_id)
@@ -261,17 +271,6 @@ class RouterCore:
             return False
         await again.send(self.dispatch, self.streams, stream, deadline, cause)
         return True
-
-    async def _join(self, group: ChoiceGroup, request_id: str, deadline: float) -> RequestStream:
-        """Choice i > 0 of a group: its stream, once choice 0 dispatched the task (or its error)."""
-        try:
-            await asyncio.wait_for(asyncio.shield(group.dispatched), max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise self._deadline_error() from None
-        stream = self.streams.get(request_id)
-        if stream is None:
-            raise EngineFailedError(f"the stream of {request_id} closed before its task was dispatched")
-        return stream
 
     async def _plan(
         self, prompt: PreparedPrompt, request_id: str, deadline: float, choice: int, num_choices: int = 1

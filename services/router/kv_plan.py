@@ -111,6 +111,16 @@ class KvPlanner:
         hits = min(result.num_hit_blocks, len(usable))
         return PlannedKv(KvPlan(block_hashes=hashes, num_hit_blocks=hits, salt=salt), result.per_location)
 
+    async def num_stored(self, hashes: list[int]) -> int:
+        """How many leading blocks of `hashes` the index lists anywhere now (0 without an index, or when it
+        does not answer)."""
+        if self.index is None or not hashes:
+            return 0
+        try:
+            return (await self.index.match(hashes, timeout_s=self.timeout_s)).num_hit_blocks
+        except KvpathError:
+            return 0
+
     async def _lookup(self, hashes: list[int], request_id: str) -> MatchResult:
         assert self.index is not None
         with telemetry.span("index.lookup") as span:

@@ -171,6 +171,27 @@ async def test_auto_on_prefill_decode_engines_picks_remote_local_and_hbm_paths(
     assert errors >= 3  # each request's measured TTFT against its prediction
 
 
+async def test_n_choices_on_session_engines_compute_the_prompt_once_and_load_it_for_the_others(
+    pd_cluster: dict[str, Any], reference: Reference
+) -> None:
+    """Session engines sample one choice per task, so n choices are n tasks: choices 1..3 are planned once
+    the index lists the prompt that choice 0 computes, and load it (before: four plans that recomputed)."""
+    url, rng = pd_cluster["url"], random.Random(11)
+    prompt = [rng.randrange(3, 250) for _ in range(300)]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "n": 4, "ignore_eos": True, "temperature": 0}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        before = await plan_counts(http, url)
+        async with http.post(f"{url}/v1/completions", json={**body, "return_token_ids": True}) as resp:
+            assert resp.status == 200, await resp.text()
+            out = await resp.json()
+        after = await plan_counts(http, url)
+    taken = {p: after[p] - before[p] for p in PD_PLANS if after[p] > before[p]}
+    assert sum(taken.values()) == 4, taken
+    assert sum(n for p, n in taken.items() if p.endswith("/recompute")) == 1, taken
+    expected = await reference.tokens(prompt, 16)
+    assert [c["token_ids"] for c in sorted(out["choices"], key=lambda c: c["index"])] == [expected] * 4
+
+
 async def test_a_prefill_engine_killed_mid_prefill_costs_the_client_nothing_and_is_planned_around(
     pd_cluster: dict[str, Any], reference: Reference, nats_server: NatsServer
 ) -> None:
