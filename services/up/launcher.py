@@ -345,18 +345,21 @@ class LocalCluster:
         write_atomically(Path(self.supervisor_file), json.dumps(state, indent=1))
 
     def _shutdown(self, timeout_s: float = 15.0) -> None:
-        # router first (stops taking requests), then engines, then storage and index
-        for child in reversed(self.children):
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
+        # in stages, each stopped before the next is told to: the router (stops taking requests), then the
+        # engines (their last writes still reach storage and the KV tier), then storage, the tier, the index
         deadline = time.monotonic() + timeout_s
-        for child in self.children:
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in time; killing it", child.spec.name)
-                child.proc.kill()
-                child.proc.wait(5)
+        for stage in _SHUTDOWN_STAGES:
+            group = [c for c in self.children if _shutdown_stage(c.spec.kind) == stage]
+            for child in reversed(group):
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            for child in group:
+                try:
+                    child.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in time; killing it", child.spec.name)
+                    child.proc.kill()
+                    child.proc.wait(5)
         if self.nats is not None:
             self.nats.stop()
         stop_fork_server()
@@ -367,3 +370,10 @@ def _materialize_model(model: str) -> None:
     from gpu.model_spec import resolve_model
 
     resolve_model(model)
+
+
+_SHUTDOWN_STAGES = ("router", "engine", "services")
+
+
+def _shutdown_stage(kind: str) -> str:
+    return kind if kind in ("router", "engine") else "services"
