@@ -43,6 +43,7 @@ class ControlChannel:
         self._seq = 0
         self._reader = FrameReader(self, limits, RECEIVER_TYPES)
         self._broken: TransportError | None = None
+        self._receiver_stopped = False  # it said BYE
         self._loop.add_reader(sock.fileno(), self._on_readable)
 
     @classmethod
@@ -214,7 +215,9 @@ class ControlChannel:
             self.break_(f"receive failed: {exc}")
             return False
         if nbytes == 0:
-            self.break_("connection closed by the receiver")
+            if self._receiver_stopped:
+                log.info("kv sender: KV receiver %s stopped and closed the connection", self.name)
+            self.break_("connection closed by the receiver", quiet=self._receiver_stopped)
             return False
         try:
             self._reader.advance(nbytes)
@@ -224,6 +227,9 @@ class ControlChannel:
         return True
 
     def on_frame(self, header: Header, meta: bytes) -> None:
+        if header.type is FrameType.BYE:  # the receiver is stopping: its close is no failure to warn of
+            self._receiver_stopped = True
+            return
         future = self._pending.pop(header.seq, None)
         if future is None or future.done():
             return  # the op gave up (deadline); its late reply is dropped

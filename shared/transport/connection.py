@@ -8,6 +8,7 @@ receiver (`ReceiverCore`). A malformed frame closes this connection only; other 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from typing import Any, Protocol
@@ -36,6 +37,7 @@ from shared.transport.wire import (
 
 log = logging.getLogger(__name__)
 _ACK = int(FrameType.ACK)
+_BYE = pack(Header(FrameType.BYE))  # this receiver is stopping (header only)
 _READ_BUDGET_BYTES = 8 << 20  # per readable callback, so one busy sender cannot starve the others
 
 
@@ -282,10 +284,15 @@ class ReceiverConnection:
                 self.close("hello refused")
 
     # ------------------------------------------------------------------ teardown
-    def close(self, reason: str, *, bye: bool = False) -> None:
-        """Idempotent. A WRITE cut off midway fails the notice it carried (its waiter learns at once)."""
+    def close(self, reason: str, *, bye: bool = False, say_bye: bool = False) -> None:
+        """Idempotent. A WRITE cut off midway fails the notice it carried (its waiter learns at once).
+        `say_bye`: this receiver is stopping: a BYE frame first (best effort, unless replies are backed
+        up), so that the sender knows the close was meant."""
         if self.is_closed:
             return
+        if say_bye and not self._out:
+            with contextlib.suppress(OSError):
+                self._sock.send(_BYE)
         self.is_closed = True
         current = self._reader.current
         if current is not None and current.type is FrameType.WRITE and current.has_notice:

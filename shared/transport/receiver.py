@@ -145,7 +145,7 @@ class KvReceiver:
                 os.unlink(self._unix_listener.getsockname())
             self._unix_listener.close()
         for conn in list(self._connections):
-            conn.close("receiver closing")
+            conn.close("receiver closing", say_bye=True)
         self._board.fail_all(TransportError(f"receiver {self.receiver_id} closed"))
         for name in list(self._regions):
             self.unregister_region(name)

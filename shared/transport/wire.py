@@ -16,13 +16,14 @@ bytes of metadata, then (WRITE only) `payload_len` bytes of payload:
 | NOTICE  | s -> r    | rdma immediate   | notice meta               | -                | bytes written  |
 | ACK     | r -> s    | -                | -                         | -                | -              |
 | ERROR   | r -> s    | -                | ErrorReply JSON           | -                | -              |
-| BYE     | s -> r    | -                | -                         | -                | -              |
+| BYE     | s <-> r   | -                | -                         | -                | -              |
 
 A WRITE's extent table is `aux` pairs of u64 (offset, length) in region `region_id`; the payload is the
 extents' bytes concatenated in table order. Flag NOTICE on a WRITE or NOTICE frame posts notice
 (`region_id`, `tag`, meta) once the bytes are in place; flag IMM on a NOTICE says the bytes came over RDMA
 and the notice must wait for the RDMA write-with-immediate whose immediate is `aux`. Every frame the
 sender numbers with `seq` is answered by exactly one ACK, ERROR, WELCOME or REGION with the same `seq`.
+BYE (unnumbered, unanswered) says the side that sends it is closing the connection on purpose.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ _NOTICE, IMM = int(Flag.NOTICE), int(Flag.IMM)
 SENDER_TYPES = frozenset(
     {FrameType.HELLO, FrameType.LOOKUP, FrameType.WRITE, FrameType.NOTICE, FrameType.BYE}
 )
-RECEIVER_TYPES = frozenset({FrameType.WELCOME, FrameType.REGION, FrameType.ACK, FrameType.ERROR})
+RECEIVER_TYPES = frozenset(
+    {FrameType.WELCOME, FrameType.REGION, FrameType.ACK, FrameType.ERROR, FrameType.BYE}  # BYE: it stops
+)
 
 
 class FrameError(TransportError):

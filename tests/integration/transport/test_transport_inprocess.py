@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -247,3 +249,34 @@ async def test_receiver_close_fails_senders_and_waiters(receiver: KvReceiver, se
         for _ in range(100):  # the first write may still fit in the kernel's buffer
             await peer.write("buf", 0, b"x" * 65536, tag=1, timeout_s=5)
     assert not peer.is_open
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the sender never saw the connection close"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_stopping_receiver_says_bye_and_its_senders_do_not_warn(
+    receiver: KvReceiver, sender: KvSender, backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A receiver that stops sends BYE before closing: its senders log the close at INFO (every clean
+    shutdown of a cluster used to log a lost connection as a warning); a connection closed without it (as
+    a crashed receiver's is) is still a warning."""
+    caplog.set_level(logging.INFO, logger="shared.transport.channel")
+    peers = [await sender.connect(receiver.endpoint(), timeout_s=5, backend=backend) for _ in range(2)]
+    connections = list(receiver._connections)
+    assert len(connections) == 2
+    connections[0].close("as a crash would")
+    await _until(lambda: not all(p.is_open for p in peers))
+    records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "shared.transport.channel"]
+    assert len(records) == 1 and records[0][0] == logging.WARNING and "lost" in records[0][1], records
+    caplog.clear()
+    (left,) = [p for p in peers if p.is_open]
+    await receiver.close()
+    await _until(lambda: not left.is_open)
+    records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "shared.transport.channel"]
+    said = f"kv sender: KV receiver {receiver.receiver_id} stopped and closed the connection"
+    assert records == [(logging.INFO, said)], records
