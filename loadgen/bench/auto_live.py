@@ -36,7 +36,7 @@ import numpy as np
 from loadgen.bench import auto_live_agents as agents
 from loadgen.bench.auto_live_options import CONFIG_NAMES, LiveOptions
 from services.up.process import UpProcess
-from services.up.topology import engine_threads, host_cores
+from services.up.topology import engine_threads, fcfs_engine_args, host_cores
 
 # per configuration its policies (the fixed ones first, auto last) and the score `results` keeps
 CONFIGS = {
@@ -135,7 +135,7 @@ def _run_tier(o: LiveOptions, up: UpProcess) -> tuple[dict[str, Any], int]:
 
 
 def _one_policy(o: LiveOptions, config: str, policy: str, tmp: Path, profile: Path) -> dict[str, Any]:
-    args = _up_args(o, config, policy)
+    args = _up_args(o, config, policy) + fcfs_engine_args(policy)  # the recorded tables' engines
     # every router logs at debug level (auto's decisions are read from its log), so all pay the same for it
     args += ["--router-arg=--log-level=DEBUG", f"--router-arg=--cost-profile={profile}"]
     up = UpProcess(tmp, *args)

@@ -93,6 +93,7 @@ class ServeOptions:
         """`kvpath up` flags of a tier's cluster: its sizes, then the caller's extra flags."""
         working_set = self.working_set_bytes()
         args = ["--model", self.model, "--engines", str(self.engines), "--kv-tier", tier]
+        args += ["--prefill-order", "fcfs", "--step-target-s", "0"]  # as the README's table was measured
         args += ["--pool-bytes", str(self.pool_bytes or int(POOL_SHARE * working_set))]
         if self.kv_cache_bytes:
             args.append(f"--engine-arg=--kv-cache-bytes {self.kv_cache_bytes}")

@@ -33,6 +33,7 @@ from loadgen.formats import kvpath, load_trace
 from loadgen.profiles import PROFILES, SynthOptions, synthesize
 from loadgen.runner import run_replay
 from services.up.process import UpProcess
+from services.up.topology import fcfs_engine_args
 
 RUNS: dict[str, tuple[str, int, int]] = {  # name -> (policy, prefill nodes, decode nodes)
     "basic-1p1d": ("basic", 1, 1),
@@ -142,6 +143,7 @@ async def _run(name: str, args: argparse.Namespace, trace_path: Path, work: Path
         str(d),
         "--storage-bandwidth",
         str(args.storage_bandwidth),
+        *fcfs_engine_args(policy),  # the paper's FCFS scheduler, as the README's table was measured
     )
     try:
         storage = {int(n.split("-")[1]): url for n, url in up.services.items() if n.startswith("storage-")}

@@ -21,6 +21,11 @@ from services.policy.table_placement import POLICIES
 SESSION_DECODE = "session"
 AUTO_DECODE_ENGINES = (SESSION_DECODE, "dualpath")
 PREFILL_ORDERS = ("fcfs", "short-first", "slo")  # the engines' (services/engine/config.py)
+# what the engines of every policy but the session ones (AMPD and its paper baselines) run unless told: an
+# agent's warm turn passes cold prompts, and a step lasts about a second whatever the hardware (README,
+# "Agents' warm turns"); `--prefill-order fcfs --step-target-s 0` is the plain FCFS engine
+AGENT_PREFILL_ORDER = "short-first"
+AGENT_STEP_TARGET_S = 1.0
 
 
 @dataclass(slots=True)
@@ -43,6 +48,7 @@ class ClusterSpec:
     block_size: int = 64
     auto_decode_engines: str = SESSION_DECODE  # auto on P/D nodes: session, or DualPath's (decode only)
     prefill_order: str = ""  # every prefill queue's order ('': the policy's default)
+    step_target_s: float = -1.0  # the engines' step target (< 0: the policy's default)
     cores: int = 0  # the host's cores, split among the engines' torch threads (0: torch's default each)
     extra_engine_args: list[str] = field(default_factory=list)
     extra_router_args: list[str] = field(default_factory=list)
@@ -91,7 +97,15 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
         choices=PREFILL_ORDERS,
         default="",
         help="every prefill queue's order: the engines' and, under dualpath | basic | dualpath-rr, the "
-        "router's placement queue (default fcfs; ampd's engines: slo)",
+        "router's placement queue (default short-first; ampd's engines: slo; disagg-remote and "
+        "colocated-session: fcfs)",
+    )
+    p.add_argument(
+        "--step-target-s",
+        type=float,
+        default=-1.0,
+        help="each engine step's prefill budget is what the measured compute rate runs in this long (0: "
+        f"the fixed max_num_batched_tokens; default {AGENT_STEP_TARGET_S}, 0 under the session policies)",
     )
 
 
@@ -107,6 +121,8 @@ def spec_from_args(args: argparse.Namespace, kv_root: str) -> ClusterSpec:
         raise SystemExit(f"kvpath up: policy {policy!r} does not fit the topology")
     if args.auto_decode_engines != SESSION_DECODE and not (policy == AUTO and disaggregated):
         raise SystemExit("kvpath up: --auto-decode-engines is for --policy auto on prefill/decode nodes")
+    if args.step_target_s != -1.0 and not 0 <= args.step_target_s <= 3600:
+        raise SystemExit(f"kvpath up: --step-target-s must be between 0 and 3600, got {args.step_target_s}")
     if args.kv_tier != "storage" and args.no_kv_store:
         raise SystemExit("kvpath up: --kv-tier pool|remote serves engines with a KV store")
     if disaggregated and args.kv_tier == "remote":
@@ -133,6 +149,7 @@ def spec_from_args(args: argparse.Namespace, kv_root: str) -> ClusterSpec:
         block_size=args.block_size,
         auto_decode_engines=args.auto_decode_engines,
         prefill_order=args.prefill_order,
+        step_target_s=args.step_target_s,
         cores=0 if "KVPATH_NUM_THREADS" in os.environ else host_cores(),
         extra_engine_args=_split(args.engine_arg),
         extra_router_args=_split(args.router_arg),
@@ -192,8 +209,7 @@ def cluster_processes(spec: ClusterSpec) -> list[ProcessSpec]:
         uses_tier = role != "decode" or "--session-kv" in session_args
         args = ["--role", role, "--node", str(node), "--model", spec.model, *common, *threads]
         args += (tier_args if uses_tier else []) + session_args
-        if spec.prefill_order:  # after the policy's own order: the later flag wins
-            args += ["--prefill-order", spec.prefill_order]
+        args += _scheduling_args(spec)  # after the policy's own order: the later flag wins
         if not spec.with_kv_store:
             args += ["--no-persist-kv", "--no-load-kv"]
         procs.append(
@@ -227,9 +243,33 @@ def _router_args(spec: ClusterSpec) -> list[str]:
         router_args.append("--no-use-kv-cache")
     if spec.policy == AUTO and spec.is_disaggregated:
         router_args += ["--auto-decode-engines", spec.auto_decode_engines]
-    if spec.policy in POLICIES and spec.prefill_order == "short-first":  # DualPath's placement queue too
-        router_args += ["--prefill-order", spec.prefill_order]
+    if spec.policy in POLICIES and prefill_order(spec) == "short-first":  # DualPath's placement queue too
+        router_args += ["--prefill-order", "short-first"]
     return router_args
+
+
+def fcfs_engine_args(policy: str) -> list[str]:
+    """`kvpath up` flags that keep the plain FCFS engines (fixed step budget) under `policy`: what the
+    benchmarks whose tables were recorded before the agent defaults pass, to stay comparable."""
+    return [] if policy in SESSION_POLICIES else ["--prefill-order", "fcfs", "--step-target-s", "0"]
+
+
+def prefill_order(spec: ClusterSpec) -> str:
+    """The engines' prefill order ('': the session policy's own)."""
+    return spec.prefill_order or ("" if spec.policy in SESSION_POLICIES else AGENT_PREFILL_ORDER)
+
+
+def step_target_s(spec: ClusterSpec) -> float:
+    if spec.step_target_s >= 0:
+        return spec.step_target_s
+    return 0.0 if spec.policy in SESSION_POLICIES else AGENT_STEP_TARGET_S
+
+
+def _scheduling_args(spec: ClusterSpec) -> list[str]:
+    order, target = prefill_order(spec), step_target_s(spec)
+    return (["--prefill-order", order] if order else []) + (
+        ["--step-target-s", str(target)] if target else []
+    )
 
 
 def _tier_processes(spec: ClusterSpec, procs: list[ProcessSpec], common: list[str]) -> list[str]:

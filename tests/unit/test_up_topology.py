@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from services.up.launcher import register, spec_from_args
-from services.up.topology import cluster_processes, engine_threads
+from services.up.topology import cluster_processes, engine_threads, fcfs_engine_args
 
 
 def _spec(*argv: str) -> tuple[list, str]:
@@ -159,13 +159,12 @@ def _order(args: list[str]) -> str | None:
 @pytest.mark.parametrize(
     ("argv", "want_engines", "want_router"),
     [
-        (["--prefill-nodes", "1", "--decode-nodes", "1"], None, None),
-        (
-            ["--prefill-nodes", "1", "--decode-nodes", "1", "--prefill-order", "short-first"],
-            "short-first",
-            "short-first",
-        ),
-        (["--engines", "2", "--prefill-order", "short-first"], "short-first", None),  # no placement queue
+        (["--prefill-nodes", "1", "--decode-nodes", "1"], "short-first", "short-first"),  # the default
+        (["--prefill-nodes", "1", "--decode-nodes", "1", "--prefill-order", "fcfs"], "fcfs", None),
+        (["--engines", "2"], "short-first", None),  # no placement queue
+        (["--engines", "2", "--prefill-order", "fcfs"], "fcfs", None),
+        (["--prefill-nodes", "1", "--decode-nodes", "1", "--policy", "auto"], "short-first", None),
+        (["--prefill-nodes", "1", "--decode-nodes", "1", "--policy", "disagg-remote"], None, None),
         (["--prefill-nodes", "1", "--decode-nodes", "1", "--policy", "ampd"], "slo", None),
         (
             ["--prefill-nodes", "1", "--decode-nodes", "1", "--policy", "ampd", "--prefill-order", "fcfs"],
@@ -184,3 +183,39 @@ def test_the_prefill_order_reaches_every_prefill_queue(
     assert prefilling and {_order(p.args) for p in prefilling} == {want_engines}
     router = next(p for p in procs if p.service == "router")
     assert _order(router.args) == want_router
+
+
+def _step_target(args: list[str]) -> str | None:
+    values = [args[i + 1] for i, a in enumerate(args) if a == "--step-target-s"]
+    return values[-1] if values else None
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (["--engines", "2"], "1.0"),  # the agent default
+        (["--prefill-nodes", "1", "--decode-nodes", "1", "--step-target-s", "0.25"], "0.25"),
+        (["--engines", "2", "--step-target-s", "0"], None),  # the fixed budget
+        (["--prefill-nodes", "1", "--decode-nodes", "1", "--policy", "ampd"], None),  # the paper's engines
+        (
+            ["--engines", "2", "--step-target-s", "2", "--engine-arg=--step-target-s 3"],
+            "3",
+        ),  # the last flag wins
+    ],
+)
+def test_the_step_target_reaches_every_engine(argv: list[str], want: str | None) -> None:
+    procs, _ = _spec(*argv)
+    assert {_step_target(p.args) for p in procs if p.service == "engine"} == {want}
+
+
+def test_a_step_target_out_of_range_is_refused() -> None:
+    with pytest.raises(SystemExit, match="between 0 and 3600"):
+        _spec("--step-target-s", "-2")
+
+
+def test_benchmarks_keep_fcfs_engines_except_under_the_session_policies() -> None:
+    procs, _ = _spec("--engines", "2", *fcfs_engine_args("colocated"))
+    assert {(_order(p.args), _step_target(p.args)) for p in procs if p.service == "engine"} == {
+        ("fcfs", None)
+    }
+    assert fcfs_engine_args("ampd") == []
