@@ -153,7 +153,8 @@ class RouterCore:
     ) -> list[AsyncGenerator[Piece]]:
         """One generator per choice (`len(usages)` of them; services/router/choices.py), as `generate`."""
         n = len(usages)
-        group = None if n == 1 else ChoiceGroup(n) if self.shares_prompt else ChoiceGate()
+        first = choice_request_id(request_id, 0)
+        group = None if n == 1 else ChoiceGroup(n) if self.shares_prompt else ChoiceGate(first)
         return [
             self.generate(prompt, choice_request_id(request_id, i), usages[i], i, group) for i in range(n)
         ]

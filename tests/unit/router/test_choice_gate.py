@@ -21,23 +21,26 @@ def plan(num_blocks: int, num_hit_blocks: int) -> KvPlan:
 
 
 async def test_a_prompt_stored_but_for_its_last_block_lets_the_others_go_at_once() -> None:
-    gate = ChoiceGate()
+    gate = ChoiceGate("r")
     gate.dispatched_prompt(plan(10, 9), {}, NO_INDEX)
     assert await gate.join(StreamTable(), "r-1", 0.0) is None
 
 
 async def test_a_prompt_resident_on_an_engine_counts_as_found() -> None:
-    gate = ChoiceGate()
+    gate = ChoiceGate("r")
     gate.dispatched_prompt(plan(10, 0), {"hbm:de-0": 10, "store": 2}, NO_INDEX)
     assert gate.ready.is_set()
 
 
 async def test_others_wait_for_a_computed_prompt_until_choice_0_ends_or_their_deadline() -> None:
-    gate = ChoiceGate()
+    gate = ChoiceGate("r")
     gate.dispatched_prompt(plan(10, 2), {"store": 2}, NO_INDEX)
     with pytest.raises(TimeoutError):
         await gate.join(StreamTable(), "r-1", 0.05)  # the deadline: the caller's deadline error
     waiting = asyncio.create_task(gate.join(StreamTable(), "r-2", 5.0))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    gate.ended("r-1")  # another choice gave up: the rest still wait
     await asyncio.sleep(0)
     assert not waiting.done()
     gate.ended("r")  # choice 0 failed or finished: the others go, whatever is stored
