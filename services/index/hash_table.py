@@ -114,12 +114,17 @@ class U64Table:
         if np.count_nonzero(at_home) == keys.size:
             return slots
         beyond = self._in_home_rows(keys, slots, at_home)
-        for pos, key in zip(*self._listed(keys, beyond), strict=True):
-            slot = self._stash.get(key, -1)
-            if slot < 0 and prefix_only:
-                slots[pos:] = -1
-                break
-            slots[pos] = slot
+        if beyond is None:
+            return slots
+        buckets = slots[beyond] >> _BUCKET_BITS
+        slots[beyond] = -1
+        # a key stored past its home bucket found the bucket full, and a bucket never gets an empty slot
+        # back (a removal leaves a tombstone): a key whose home bucket has one is absent, not looked up
+        empty = self._state_rows.take(buckets, axis=0, mode="clip") == _EMPTY
+        for pos, key in zip(*self._listed(keys, beyond[empty.view(np.uint64).reshape(-1) == 0]), strict=True):
+            slots[pos] = self._stash.get(key, -1)
+        if prefix_only and (absent := slots < 0).any():
+            slots[int(np.argmax(absent)) :] = -1
         return slots
 
     def _in_home_rows(self, keys: np.ndarray, slots: np.ndarray, at_home: np.ndarray) -> np.ndarray | None:
