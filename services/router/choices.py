@@ -25,10 +25,8 @@ from shared.protocol import KvPlan
 T = TypeVar("T")
 
 _DONE = object()
-_FIRST_LOOKUP_S, _LAST_LOOKUP_S = (
-    0.02,
-    0.2,
-)  # a gate's index lookups for the prompt: the first pause, the most
+_FIRST_LOOKUP_S = 0.02  # a gate's index lookups for the prompt: the first pause between two
+_LAST_LOOKUP_S = 0.2  # and the longest
 
 
 @dataclass(slots=True)
@@ -94,7 +92,8 @@ class ChoiceGate:
     def dispatched_prompt(self, kv: KvPlan, locality: Mapping[str, int], index: KvPlanner) -> None:
         """Choice 0 is being dispatched with this plan; `index` finds its prompt's blocks once written."""
         wanted = len(kv.block_hashes) - 1
-        if max(kv.num_hit_blocks, *locality.values(), 0) >= wanted:
+        # without an index (no KV reuse) the prompt is never listed: waiting would only serialize the choices
+        if index.index is None or max(kv.num_hit_blocks, *locality.values(), 0) >= wanted:
             self.ready.set()
             return
 

@@ -14,6 +14,7 @@ from services.router.streams import StreamTable
 from shared.protocol import KvPlan
 
 NO_INDEX = KvPlanner.__new__(KvPlanner)  # never asked: the cases below decide without a lookup
+NO_INDEX.index = object()  # type: ignore[assignment]  # an index exists (a router that reuses KV)
 
 
 def plan(num_blocks: int, num_hit_blocks: int) -> KvPlan:
@@ -45,3 +46,12 @@ async def test_others_wait_for_a_computed_prompt_until_choice_0_ends_or_their_de
     assert not waiting.done()
     gate.ended("r")  # choice 0 failed or finished: the others go, whatever is stored
     assert await asyncio.wait_for(waiting, 1.0) is None
+
+
+async def test_without_an_index_the_others_go_at_once() -> None:
+    """A router that reuses no KV (`--no-use-kv-cache`) never sees the prompt listed: no wait."""
+    planner = KvPlanner.__new__(KvPlanner)
+    planner.index = None
+    gate = ChoiceGate("r")
+    gate.dispatched_prompt(plan(10, 0), {}, planner)
+    assert gate.ready.is_set()
