@@ -106,6 +106,8 @@ class ResponseRenderer:
                 self._chunk(choice, body if piece.text or not self.is_chat else {}, logprobs, finish, piece)
             ]
         events = choice.parser.feed(piece.text, is_final=finish is not None)
+        if not events and finish is None and logprobs is None and not wants_ids:
+            return []  # text the parser holds back (a call's header, a tag): nothing to say yet
         deltas = [_event_delta(e) for e in events] or [{}]
         chunks = [self._chunk(choice, d, None, None) for d in deltas[:-1]]
         return [*chunks, self._chunk(choice, deltas[-1], logprobs, finish, piece)]
@@ -219,11 +221,12 @@ class ResponseRenderer:
         entry: dict[str, Any] = {"index": choice.index}
         if self.is_chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            if choice.parser is not None:
+            if choice.parser is not None:  # what the stream's deltas add up to
                 events = choice.parser.feed(text, is_final=True)
-                content = "".join(e.content for e in events)
-                if _calls(choice):
-                    message = {"role": "assistant", "content": content or None, "tool_calls": _calls(choice)}
+                message["content"] = "".join(e.content for e in events)
+                if choice.parser.calls:
+                    message = {"role": "assistant", "content": message["content"] or None}
+                    message["tool_calls"] = _calls(choice)
                     finish = "tool_calls" if finish == "stop" else finish
             entry["message"] = message
         else:
@@ -254,10 +257,9 @@ def _event_delta(event: ToolEvent) -> dict[str, Any]:
 
 def _calls(choice: ChoiceState) -> list[dict[str, Any]]:
     assert choice.parser is not None
-    return [  # a call cut off by max_tokens is left out (finish_reason says "length")
+    return [  # a call cut off by max_tokens has the arguments written so far (finish_reason "length")
         {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
         for c in choice.parser.calls
-        if c["is_complete"]
     ]
 
 

@@ -235,7 +235,7 @@ class ToolCallParser:
     pos: int = 0  # text before this is turned into events
     mode: str = "start"  # start | content | calls | args
     num_calls: int = 0
-    calls: list[dict[str, str]] = field(default_factory=list)  # {"id", "name", "arguments", "is_complete"}
+    calls: list[dict[str, str]] = field(default_factory=list)  # {"id", "name", "arguments"}
 
     def feed(self, text: str, *, is_final: bool = False) -> list[ToolEvent]:
         self.text += text
@@ -269,7 +269,6 @@ class ToolCallParser:
         if match is None:
             return False
         call = {"id": f"call_{uuid.uuid4().hex[:24]}", "name": json.loads(match.group(1)), "arguments": ""}
-        call["is_complete"] = ""
         self.calls.append(call)
         events.append(ToolEvent(index=len(self.calls) - 1, call_id=call["id"], name=call["name"]))
         self.pos += match.end()
@@ -279,7 +278,15 @@ class ToolCallParser:
     def _arguments(self, rest: str, events: list[ToolEvent], is_final: bool) -> bool:
         end = rest.find(_ARGS_END)
         done = end >= 0
-        upto = end if done else (len(rest) if is_final else max(0, len(rest) - len(_ARGS_END)))
+        upto = (
+            end
+            if done
+            else (
+                _cut_end(self.calls[-1]["arguments"], rest)
+                if is_final
+                else max(0, len(rest) - len(_ARGS_END))
+            )
+        )
         if upto:
             piece = rest[:upto]
             self.calls[-1]["arguments"] += piece
@@ -288,5 +295,23 @@ class ToolCallParser:
         if done:
             self.pos += len(_ARGS_END)
             self.mode = "calls"
-            self.calls[-1]["is_complete"] = "yes"
         return done
+
+
+def _cut_end(sent: str, rest: str) -> int:
+    """Where in `rest` the arguments of a call cut off by the end of the answer (max_tokens) end, `sent`
+    being those already passed on: before the part of `}\n</tool_call>` (the call object's brace, then its
+    closing tag) that follows arguments that are a whole JSON value; at the end when they are not (cut
+    inside them)."""
+    for size in range(len(_ARGS_END) - 1, 0, -1):
+        if rest.endswith(_ARGS_END[:size]) and _is_json(sent + rest[:-size]):
+            return len(rest) - size
+    return len(rest)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
