@@ -5,6 +5,7 @@ Used by the router (chat templates, prompt token ids) and by engines (streaming 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from gpu.gguf_file import is_gguf, tokenizer_parts
 from shared.errors import InvalidRequestError
 
 REPLACEMENT_CHAR = "\ufffd"
+GIL_FREE_CHARS = 4096  # texts at least this long are encoded with the GIL released
 
 
 class Tokenizer:
@@ -47,11 +49,24 @@ class Tokenizer:
     def _token_id(self, text: str | None) -> int | None:
         return None if text is None else self._hf.token_to_id(text)
 
+    def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        if len(text) < GIL_FREE_CHARS:
+            return list(self._hf.encode(text, add_special_tokens=add_special_tokens).ids)
+        # `encode` holds the GIL throughout, `encode_batch` releases it: a thread encoding a long prompt
+        # leaves the caller's event loop running (the same ids)
+        return list(self._hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token decodes to: a text of more than n times this many characters
+        (each at least one byte) has more than n tokens, known without encoding it."""
+        return max(len(self.token_text(i).encode()) for i in range(self.vocab_size))
+
     def encode(self, text: str) -> list[int]:
         """Token ids of a raw completion prompt, BOS included when the tokenizer's config asks for it."""
         if self._add_bos is None:
-            return list(self._hf.encode(text, add_special_tokens=True).ids)
-        ids = list(self._hf.encode(text, add_special_tokens=False).ids)
+            return self._encode(text, add_special_tokens=True)
+        ids = self._encode(text, add_special_tokens=False)
         if self._add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
@@ -80,20 +95,34 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Render `messages` with the chat template and encode the result (the template adds BOS itself)."""
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        return self.encode_rendered(text)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The text the chat template makes of `messages` (`encode_rendered` gives its ids)."""
         if self.chat_template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use the completions API", param="messages"
             )
         normalized = chat_template.normalize_messages(messages)
         special = {k: v or "" for k, v in self._special.items()}
-        text = chat_template.render(
+        return chat_template.render(
             self.chat_template,
             normalized,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             **special,
         )
-        return list(self._hf.encode(text, add_special_tokens=False).ids)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of a rendered chat (its template wrote any BOS)."""
+        return self._encode(text, add_special_tokens=False)
 
     def incremental_decoder(self, *, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)

@@ -11,9 +11,11 @@ seeded `seed + i`, merged into one response (choices.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -23,7 +25,7 @@ from services.router import chunks_api, metrics, tokenize_api
 from services.router.auth import TENANT
 from services.router.choices import merged_pieces
 from services.router.core import Piece, RouterCore, Usage
-from services.router.prompts import PreparedPrompt, prepare_prompt
+from services.router.prompts import PreparedPrompt, off_loop_if_large, prepare_prompt
 from services.router.render import RenderOptions, ResponseRenderer
 from services.router.requests import GenerationRequest, parse_chat, parse_completion, session_header
 from shared.errors import InvalidRequestError, KvpathError, ModelNotFoundError, RequestTooLargeError
@@ -44,6 +46,10 @@ class ApiContext:
     retry_after_s: int
     created: int
     grammars: Any = None  # gpu.grammar.GrammarCompiler of the tokenizer (validates request grammars)
+    # large prompts are prepared here, off the event loop (two at a time: the CPU a burst of them takes)
+    prepare_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="prepare-prompt")
+    )
 
 
 API_CONTEXT = web.AppKey("api_context", ApiContext)
@@ -126,9 +132,10 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, parse: Callable[[Any, str], GenerationRequest]) -> web.StreamResponse:
     ctx = request.app[API_CONTEXT]
     try:
-        parsed = parse(await _json_body(request), session_header(request.headers))
+        raw = await request.read()
+        parsed = parse(_json_loads(raw), session_header(request.headers))
         parsed.tenant = request.get(TENANT, "")  # salts its KV chain: tenants never share cached KV
-        prompt = _prepare(ctx, parsed)
+        prompt = await _prepare(ctx, parsed, len(raw))
     except KvpathError as exc:
         metrics.REQUESTS.labels("?", exc.code).inc()
         return error_response(exc, ctx.retry_after_s)
@@ -190,8 +197,7 @@ def _total(usages: list[Usage]) -> Usage:
     )
 
 
-async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()
+def _json_loads(raw: bytes) -> Any:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -205,9 +211,13 @@ def check_model(ctx: ApiContext, model: str) -> None:
         )
 
 
-def _prepare(ctx: ApiContext, req: GenerationRequest) -> PreparedPrompt:
+async def _prepare(ctx: ApiContext, req: GenerationRequest, body_bytes: int) -> PreparedPrompt:
+    """Tokenize the prompt and check the request against the model; a large body is tokenized by a worker
+    thread (the tokenizer releases the GIL for long texts), so the streams the event loop serves do not
+    stall behind it: ~0.5 s per MB of prompt on this machine."""
     check_model(ctx, req.model)
-    return prepare_prompt(
+    prepare = functools.partial(
+        prepare_prompt,
         req,
         ctx.tokenizer,
         max_model_len=ctx.max_model_len,
@@ -215,6 +225,7 @@ def _prepare(ctx: ApiContext, req: GenerationRequest) -> PreparedPrompt:
         max_tokens_limit=ctx.max_tokens_limit,
         grammars=ctx.grammars,
     )
+    return await off_loop_if_large(ctx.prepare_pool, body_bytes, prepare)
 
 
 async def _collect(

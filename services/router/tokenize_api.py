@@ -7,12 +7,14 @@ chat template applied, `add_generation_prompt` default true) and answers `{"toke
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from services.router.prompts import off_loop_if_large
 from shared.errors import InvalidRequestError, KvpathError, ModelNotFoundError
 from shared.version import kvpath_version
 
@@ -42,8 +44,9 @@ async def _answer(
     request: web.Request, ctx: Any, handle: Callable[[Any, dict[str, Any]], dict[str, Any]]
 ) -> web.Response:
     try:
+        raw = await request.read()
         try:
-            body = orjson.loads(await request.read())
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise InvalidRequestError(f"request body is not valid JSON: {exc}", param="body") from None
         if not isinstance(body, dict):
@@ -53,7 +56,9 @@ async def _answer(
             raise ModelNotFoundError(
                 f"The model '{model}' does not exist; this server serves '{ctx.model_name}'", param="model"
             )
-        return _json(handle(ctx, body))
+        return _json(
+            await off_loop_if_large(ctx.prepare_pool, len(raw), functools.partial(handle, ctx, body))
+        )
     except KvpathError as exc:
         return _json(exc.to_openai_body(), exc.http_status)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from gpu.runner import DecodeSeq, ModelRunner, PrefillSeq, SamplingOptions
+from gpu.tokenizer import GIL_FREE_CHARS
 from tests.reference import SmolLM2Reference
 
 BLOCK = 16
@@ -35,7 +36,9 @@ def test_tokenizer_and_chat_template_match_transformers(
     smollm2: ModelRunner, smollm2_reference: SmolLM2Reference
 ) -> None:
     tok, ref = smollm2.tokenizer, smollm2_reference.tokenizer
-    for text in TEXTS:
+    long_text = " ".join(TEXTS) * (GIL_FREE_CHARS // 40)  # encoded with the GIL released
+    assert len(long_text) >= GIL_FREE_CHARS
+    for text in [*TEXTS, long_text]:
         ids = tok.encode(text)
         assert ids == ref(text, add_special_tokens=True).input_ids, text
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True) == text
