@@ -68,6 +68,7 @@ class ColocatedConnector(KvConnector):
         await self.storage.close()
 
     supports_choices = True
+    reloads_preempted = True
 
     def accept(self, seq: Sequence, task: Task) -> None:
         seq.kv_state = _Record()
@@ -87,10 +88,15 @@ class ColocatedConnector(KvConnector):
             return
         record: _Record = seq.kv_state
         usable = min(len(seq.block_hashes), max_hit_blocks(seq.num_prompt_tokens, self.block_size))
-        prefix = await self.prefix.read(seq, tier_blocks=usable, stored_blocks=seq.plan.kv.num_hit_blocks)
+        stored = seq.plan.kv.num_hit_blocks
+        if seq.num_preemptions:  # what it loaded before, and what it has persisted since once written
+            await self.persister.wait_written(record.chain, seq.deadline_unix_s)
+            stored = min(max(stored, record.chain.num_persisted_blocks), usable)
+        prefix = await self.prefix.read(seq, tier_blocks=usable, stored_blocks=stored)
         record.prefix = prefix
-        record.num_pool_blocks = prefix.num_tier_blocks
-        record.chain = PersistChain(prefix.num_blocks)  # those blocks are in storage already
+        record.num_pool_blocks = max(record.num_pool_blocks, prefix.num_tier_blocks)
+        if prefix.num_blocks > record.chain.num_persisted_blocks:
+            record.chain = PersistChain(prefix.num_blocks)  # those blocks are in storage already
         seq.num_hit_tokens = prefix.num_blocks * self.block_size
 
     def layer_hook(self, chunks: Seq[PrefillChunk]) -> LayerHook | None:

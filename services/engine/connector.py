@@ -43,6 +43,8 @@ class KvConnector(abc.ABC):
     serves_pulls = False  # whether `serve_pull` answers (the engine then subscribes to pulls)
     supports_choices = False  # whether tasks with n > 1 are taken (else refused)
     forks_choices = True  # with supports_choices: this engine forks them (a PE serves choice 0, its DE forks)
+    # a preempted sequence is loaded again (`load` once more) before it recomputes what is not stored
+    reloads_preempted = False
 
     async def start(self) -> None:  # noqa: B027 (optional hook)
         """Open connections and buffers. Called once before the first request."""
@@ -64,7 +66,8 @@ class KvConnector(abc.ABC):
     async def load(self, seq: Sequence) -> None:
         """Before the sequence is scheduled: fetch its stored prefix and set `seq.num_hit_tokens`.
 
-        Called once per request, concurrently with engine steps; a missing or corrupt prefix is a miss
+        Called once per request (and after each preemption with `reloads_preempted`: the blocks stored
+        since count then), concurrently with engine steps; a missing or corrupt prefix is a miss
         (num_hit_tokens stays 0 or shorter), never an error; must respect `seq.deadline_unix_s`."""
 
     @abc.abstractmethod

@@ -26,10 +26,10 @@ from services.engine.sampling import banned_token_ids, new_sequence, sampling_op
 from services.engine.scheduler import EngineScheduler, PrefillChunk, StepPlan
 from services.engine.sequence import SeqStatus, Sequence
 from services.engine.slo_order import configure_scheduler
+from services.engine.step_budget import quota_planner
 from services.engine.step_faults import retry_alone
 from services.engine.stopping import check_stop
-from services.policy.batching import AttentionShape, BatchingLimits
-from services.policy.quota import QuotaPlanner, RateMeter
+from services.policy.quota import RateMeter
 from shared.errors import KvpathError, OverloadedError
 from shared.hashing import fingerprint_seed
 from shared.protocol import KvFormat, TaskAck, TokenDelta
@@ -147,8 +147,18 @@ class EngineCore:
             return
         seq.timings["queued_at"] = time.monotonic()
         tracing.queued(seq, self.config.role)
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, first=seq.num_preemptions > 0)
         self._wake.set()
+
+    def _preempted(self, seqs: list[Sequence]) -> None:
+        """Sequences whose blocks the cache took back recompute, or first reload the prefix their connector
+        has stored since (`reloads_preempted`: a storage read instead of the prompt's compute)."""
+        for seq in seqs:
+            self.connector.release(seq)
+            metrics.PREEMPTIONS.inc()
+            if self.connector.reloads_preempted:
+                self.scheduler.withdraw(seq)
+                seq.prepare_task = asyncio.create_task(self._prepare(seq), name=f"reload:{seq.request_id}")
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         seq = self.seqs.get(request_id)
@@ -169,8 +179,7 @@ class EngineCore:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), IDLE_RECHECK_S)
                 continue
-            for seq in plan.preempted:
-                self.connector.release(seq)
+            self._preempted(plan.preempted)
             if plan.copies:  # copy-on-write of shared blocks, before the step writes into the copies
                 await self.runner.copy_blocks(plan.copies)
             try:
@@ -385,14 +394,3 @@ class EngineCore:
         seqs, kv = self.seqs.values(), self.runner.kv
         load = engine_load(seqs, self.scheduler, kv, self.prefill_rates, self.step_rate)
         return {**load, "prefill_order": self.config.prefill_order}
-
-
-def quota_planner(config: EngineConfig, runner: ModelRunner) -> QuotaPlanner | None:
-    """The compute-quota batch planner of a prefill engine (None: a plain token budget)."""
-    if config.role != "prefill" or config.compute_quota_s <= 0:
-        return None
-    spec = runner.spec
-    limits = BatchingLimits(
-        compute_quota_s=config.compute_quota_s, max_num_batched_tokens=config.max_num_batched_tokens
-    )
-    return QuotaPlanner(AttentionShape(num_q_heads=spec.num_heads, head_dim=spec.head_dim), limits)

@@ -23,6 +23,9 @@ KV_BLOCKS_USED = Gauge("kvpath_engine_kv_blocks_used", "Paged KV cache blocks in
 KV_BLOCKS_TOTAL = Gauge("kvpath_engine_kv_blocks_total", "Paged KV cache blocks in all")
 RUNNING = Gauge("kvpath_engine_requests_running", "Sequences holding KV blocks")
 WAITING = Gauge("kvpath_engine_requests_waiting", "Sequences queued or fetching their stored prefix")
+PREEMPTIONS = Counter(
+    "kvpath_engine_preemptions_total", "Running sequences whose cache blocks were taken back (cache full)"
+)
 KV_LOADED_BLOCKS = Counter(
     "kvpath_engine_kv_loaded_blocks_total", "Stored prefix blocks loaded instead of computed"
 )

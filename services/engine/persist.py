@@ -123,6 +123,14 @@ class BlockPersister:
         metrics.KV_PERSISTED_BLOCKS.inc(result.num_written)
         return result.event_stream_seq
 
+    async def wait_written(self, chain: PersistChain, deadline_unix_s: float) -> None:
+        """Until the chain's writes so far have ended (written or failed), at most PERSIST_WAIT_S and not
+        past the deadline: a preempted sequence then reads back what it wrote (what is not written yet is
+        recomputed)."""
+        timeout = min(PERSIST_WAIT_S, deadline_unix_s - time.time())
+        if chain.writes and timeout > 0:
+            await asyncio.wait(list(chain.writes), timeout=timeout)
+
     def finish(self, seq: Sequence, chain: PersistChain) -> Awaitable[None] | None:
         """The awaitable (None: nothing written) that ends once the chain's writes are indexed. Blocks the
         staging segment had no room for yet are held now (before the engine frees the sequence's blocks)

@@ -106,9 +106,18 @@ class EngineScheduler:
 
     # ---------------------------------------------------------------------------------------- updates
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, *, first: bool = False) -> None:
+        """Queue `seq` last, or `first` (a preempted sequence back from reloading its prefix)."""
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        if first:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def withdraw(self, seq: Sequence) -> None:
+        """Take a preempted sequence back out of the queue while its prefix reloads (`add` returns it)."""
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.PREPARING
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove `seq` wherever it is and free its blocks."""

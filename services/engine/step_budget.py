@@ -8,9 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from services.engine.config import EngineConfig
+from services.policy.batching import AttentionShape, BatchingLimits
 from services.policy.quota import QuotaPlanner, RateMeter, step_budget
+
+if TYPE_CHECKING:
+    from gpu.runner import ModelRunner
 
 
 def adaptive_budget(
@@ -27,3 +32,14 @@ def adaptive_budget(
         return tokens
 
     return budget
+
+
+def quota_planner(config: EngineConfig, runner: ModelRunner) -> QuotaPlanner | None:
+    """The compute-quota batch planner of a prefill engine (None: a plain token budget)."""
+    if config.role != "prefill" or config.compute_quota_s <= 0:
+        return None
+    spec = runner.spec
+    limits = BatchingLimits(
+        compute_quota_s=config.compute_quota_s, max_num_batched_tokens=config.max_num_batched_tokens
+    )
+    return QuotaPlanner(AttentionShape(num_q_heads=spec.num_heads, head_dim=spec.head_dim), limits)
