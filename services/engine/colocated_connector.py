@@ -87,12 +87,12 @@ class ColocatedConnector(KvConnector):
         if not self.load_kv:
             return
         record: _Record = seq.kv_state
-        usable = min(len(seq.block_hashes), max_hit_blocks(seq.num_prompt_tokens, self.block_size))
-        stored = seq.plan.kv.num_hit_blocks
-        if seq.num_preemptions:  # what it loaded before, and what it has persisted since once written
-            await self.persister.wait_written(record.chain, seq.deadline_unix_s)
-            stored = min(max(stored, record.chain.num_persisted_blocks), usable)
-        prefix = await self.prefix.read(seq, tier_blocks=usable, stored_blocks=stored)
+        hit = seq.plan.kv.num_hit_blocks
+        if seq.num_preemptions:  # what it loaded before, and what it has persisted since
+            prefix = await self.prefix.reread(seq, record.chain, hit_blocks=hit)
+        else:
+            usable = min(len(seq.block_hashes), max_hit_blocks(seq.num_prompt_tokens, self.block_size))
+            prefix = await self.prefix.read(seq, tier_blocks=usable, stored_blocks=hit)
         record.prefix = prefix
         record.num_pool_blocks = max(record.num_pool_blocks, prefix.num_tier_blocks)
         if prefix.num_blocks > record.chain.num_persisted_blocks:
@@ -112,7 +112,7 @@ class ColocatedConnector(KvConnector):
     def save(self, seqs: Seq[Sequence]) -> None:
         for seq in seqs:
             record: _Record = seq.kv_state
-            if seq.num_cached_tokens:
+            if seq.num_computed_tokens:
                 self._release_reads(record)  # the prefix is in the cache now
             if self.persist_kv:
                 self.persister.persist(seq, record.chain)

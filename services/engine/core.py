@@ -279,7 +279,7 @@ class EngineCore:
         for chunk in plan.prefill:
             if chunk.seq.trace is not None:
                 tracing.prefill_chunk(chunk)
-            if chunk.load_tokens:
+            if chunk.load_tokens and not chunk.seq.num_preemptions:  # usage: hits, not its own reloads
                 chunk.seq.num_cached_tokens = chunk.load_tokens
             chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
             touched.append(chunk.seq)

@@ -6,7 +6,8 @@ read is done; the prefix's Layer Blocks are then streamed into the PE's receive 
 (brief §3.4). The sequence is scheduled once the PE's DONE notice (`PrefillDone`) says the buffer holds the
 whole prompt KV (§3.5): a load-only chunk copies it into the paged cache (prefix from the node buffer, the
 rest from the DE buffer), the buffer is freed, and decoding starts from the PE's first token. Every block
-that fills is persisted (`persist.py`).
+that fills is persisted (`persist.py`). A sequence preempted here (the cache full) reads back from storage
+the blocks stored of it (its hit and what this engine persisted) and recomputes only the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from services.engine.persist import PersistChain
 from services.engine.receive_area import tag
 from services.engine.scheduler import PrefillChunk
 from services.engine.sequence import SeqStatus, Sequence
+from services.engine.tiered_prefix import PrefixRead, TieredLoadHook, TieredPrefix
 from shared.errors import InvalidRequestError, KvpathError
 from shared.kvclient import ReadLease
 from shared.protocol.tasks import BufferRef, DecodeTask, PullHits, PullHitsReply, Task
@@ -41,6 +43,7 @@ class DeRecord:
     stream: asyncio.Task[None] | None = None  # DE path: the prefix streaming to the PE
     num_loaded_blocks: int = 0
     chain: PersistChain = field(default_factory=lambda: PersistChain(0))
+    reload: PrefixRead | None = None  # after a preemption: the stored blocks read back, until in the cache
     is_choice: bool = (
         False  # a choice forked from the request's choice 0: the extent and read are not its own
     )
@@ -50,6 +53,7 @@ class DecodeConnector(KvConnector):
     task_type = DecodeTask
     serves_pulls = True
     supports_choices = True  # n > 1: choice 0's imported prompt is forked (services/engine/choices.py)
+    reloads_preempted = True
 
     def __init__(self, ctx: ConnectorContext, *, persist_kv: bool, area_bytes: int) -> None:
         self.kv = ctx.kv
@@ -59,6 +63,7 @@ class DecodeConnector(KvConnector):
         self.persist_kv = persist_kv
         self.buffer = DeBuffer(ctx, self.storage, area_bytes)
         self.streams = PeStreams(ctx, self.storage.layout)
+        self.prefix = TieredPrefix(self.kv, None, self.storage, self.block_size)  # reloads, storage only
 
     async def start(self) -> None:
         await self.storage.start()
@@ -106,8 +111,12 @@ class DecodeConnector(KvConnector):
     # ------------------------------------------------------------------------------------------- load
 
     async def load(self, seq: Sequence) -> None:
-        """Wait until the PE says the prompt KV is complete; then the sequence takes over from the PE."""
+        """Wait until the PE says the prompt KV is complete; then the sequence takes over from the PE.
+        After a preemption: read back what is stored of the sequence instead."""
         record: DeRecord = seq.kv_state
+        if seq.num_preemptions:
+            await self._reload(seq, record)
+            return
         done = await self.buffer.wait_done(seq, record.handoff)
         if done is None:
             return
@@ -121,6 +130,13 @@ class DecodeConnector(KvConnector):
             record.num_loaded_blocks = done.num_loaded_blocks
         take_over(seq, done)
         record.chain = PersistChain(record.num_loaded_blocks)  # those blocks are stored already
+
+    async def _reload(self, seq: Sequence, record: DeRecord) -> None:
+        """The leading blocks stored of a preempted sequence (once this engine's writes of them ended),
+        leased for the first chunk of its recompute (`layer_hook`)."""
+        self.prefix.release(record.reload)
+        record.reload = await self.prefix.reread(seq, record.chain)
+        seq.num_hit_tokens = record.reload.num_blocks * self.block_size
 
     # ------------------------------------------------------------------------------------------ import
 
@@ -147,12 +163,22 @@ class DecodeConnector(KvConnector):
             seq.num_cached_tokens = record.num_loaded_blocks * self.block_size
 
     def layer_hook(self, chunks: Seq[PrefillChunk]) -> LayerHook | None:
-        return None  # a DE recomputes (after preemption) without external KV
+        """A preempted sequence's recompute: its reloaded blocks into the cache before the chunk computes."""
+        loads = []
+        for c in chunks:
+            read = c.seq.kv_state.reload
+            if c.load_tokens and read is not None and read.num_blocks:
+                loads.append((c.seq, read, c.load_tokens // self.block_size))
+        return TieredLoadHook(self.prefix, loads) if loads else None
 
     def save(self, seqs: Seq[Sequence]) -> None:
-        if self.persist_kv:
-            for seq in seqs:
-                self.storage.persister.persist(seq, seq.kv_state.chain)
+        for seq in seqs:
+            record: DeRecord = seq.kv_state
+            if record.reload is not None and seq.num_computed_tokens:
+                self.prefix.release(record.reload)  # in the cache now
+                record.reload = None
+            if self.persist_kv:
+                self.storage.persister.persist(seq, record.chain)
 
     def finish(self, seq: Sequence) -> Awaitable[None] | None:
         return self.storage.persister.finish(seq, seq.kv_state.chain)
@@ -161,6 +187,8 @@ class DecodeConnector(KvConnector):
 
     def release(self, seq: Sequence) -> None:
         record: DeRecord = seq.kv_state
+        self.prefix.release(record.reload)
+        record.reload = None
         if record.is_choice:
             return
         # the PE may still write into the extent: it is freed (and the read released) once it is done or gone

@@ -12,7 +12,8 @@ said:
           blocks past the resident ones.
 When the turn ends its KV (prompt and output) is kept for the next turn, whatever the finish reason: the
 KV of every computed token is valid. Every block that fills is persisted, so an evicted session loads, and
-written to the pool when the engine has one (the turn's last token waits for it, as on a colocated engine).
+written to the pool when the engine has one (the turn's last token waits for it, as on a colocated engine);
+a turn preempted while running (the cache full) reads those blocks back too, and recomputes only the rest.
 A request without a session id keeps nothing.
 """
 
@@ -64,6 +65,7 @@ class SessionRecord:
 class SessionConnector(KvConnector):
     task_type = (GenerateTask, DecodeTask)
     serves_pulls = True
+    reloads_preempted = True
 
     def __init__(
         self, ctx: ConnectorContext, *, persist_kv: bool, area_bytes: int, staging_bytes: int
@@ -144,6 +146,11 @@ class SessionConnector(KvConnector):
 
     async def load(self, seq: Sequence) -> None:
         record: SessionRecord = seq.kv_state
+        if seq.num_preemptions:  # its blocks stored so far (a remote turn's too): read, not recomputed
+            record.prefix = await self.prefix.reread(seq, record.chain)
+            record.num_pool_blocks = max(record.num_pool_blocks, record.prefix.num_tier_blocks)
+            seq.num_hit_tokens = record.prefix.num_blocks * self.block_size
+            return
         if record.remote is not None:
             chain = await self.remote.load(seq, record.remote)
             if chain is not None:
@@ -183,7 +190,7 @@ class SessionConnector(KvConnector):
     def save(self, seqs: Seq[Sequence]) -> None:
         for seq in seqs:
             record: SessionRecord = seq.kv_state
-            if record.prefix is not None and seq.num_cached_tokens:
+            if record.prefix is not None and seq.num_computed_tokens:
                 self.prefix.release(record.prefix)  # the prefix is in the cache now
                 record.prefix = None
             if self.persist_kv:

@@ -7,7 +7,9 @@ for the longest prefix it holds and storage for the blocks after it, up to the h
 blocks are copied into the paged cache by `TieredLoadHook` (layer l right before layer l computes on a GPU,
 every layer before the forward on the CPU) and the leases end once they are there. A save writes the blocks
 that filled since the last save into the upper tier. A missing, corrupt or unreachable tier is a miss or a
-skipped write, counted by reason (by the tier), never a failed request.
+skipped write, counted by reason (by the tier), never a failed request. A sequence preempted while running
+(the cache full) is read again (`reread`): what it had loaded and what it persisted since, so only the rest
+is recomputed.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Any, Protocol
 
 from gpu.runner import LayerHook, PrefillSeq
 from services.engine.node_storage import NodeStorage
-from services.engine.persist import extend_hashes, root_of
+from services.engine.persist import PersistChain, extend_hashes, root_of
 from services.engine.sequence import Sequence
+from shared.blocks import max_hit_blocks
 from shared.kvclient import ReadLease
 
 
@@ -92,6 +95,15 @@ class TieredPrefix:
             read.tier_read = await self.tier.read(seq, tier_blocks)
         read.lease = await self.storage.read_blocks(seq, read.num_tier_blocks, stored_blocks)
         return read
+
+    async def reread(self, seq: Sequence, chain: PersistChain, *, hit_blocks: int = 0) -> PrefixRead:
+        """A preempted sequence's stored leading blocks: its first `hit_blocks` and those its `chain` wrote
+        (once those writes ended, within their bound), its generated tokens' too, all but the block of the
+        last token it recomputes; the upper tier first as in `read`."""
+        await self.storage.persister.wait_written(chain, seq.deadline_unix_s)
+        usable = min(len(seq.block_hashes), max_hit_blocks(seq.prefill_target, self.block_size))
+        stored = min(max(hit_blocks, chain.num_persisted_blocks), usable)
+        return await self.read(seq, tier_blocks=usable, stored_blocks=stored)
 
     def import_into(self, block_ids: list[int], read: PrefixRead, layer: int | None) -> None:
         """Layer `layer` (None: every layer) of the leased blocks into the cache blocks `block_ids`."""

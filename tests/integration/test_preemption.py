@@ -1,5 +1,6 @@
-"""A full cache preempts running sequences; a colocated engine then reloads the prefix it stored meanwhile
-instead of recomputing the prompt, and the tokens are those of each request served alone."""
+"""A full cache preempts running sequences; the engine then reads back the blocks stored of them (their hits
+and what it persisted meanwhile) instead of recomputing them, and the tokens are those of each request
+served alone: on a colocated engine, a DualPath decode engine and an AMPD session decode engine."""
 
 from __future__ import annotations
 
@@ -17,14 +18,24 @@ from tests.cluster import UpProcess
 pytestmark = pytest.mark.slow
 BLOCK = 64
 PROMPT_TOKENS = 330  # 5 whole blocks stored per prompt, and a partial one
-MAX_TOKENS = 100  # 7 blocks per sequence at the end: four of them do not fit in 16 blocks at once
+MAX_TOKENS = 200  # 9 blocks per sequence at the end: two of them do not fit in 16 blocks at once
 
 
-@pytest.fixture(scope="module")
-def small_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    """One colocated engine of 16 blocks, storage and index."""
+TOPOLOGIES = {
+    "colocated": (),
+    "dualpath": ("--prefill-nodes", "1", "--decode-nodes", "1", "--policy", "dualpath"),
+    "ampd": ("--prefill-nodes", "1", "--decode-nodes", "1", "--policy", "ampd"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TOPOLOGIES))
+def small_cache(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[UpProcess]:
+    """Engines of 16 blocks each, storage and index."""
     tmp: Path = tmp_path_factory.mktemp("preempt")
-    up = UpProcess(tmp, "--kv-root", str(tmp / "store"), "--engine-arg=--num-kv-blocks 16")
+    args = (*TOPOLOGIES[request.param], "--kv-root", str(tmp / "store"), "--engine-arg=--num-kv-blocks 16")
+    up = UpProcess(tmp, *args)
     try:
         yield up
     finally:
@@ -37,7 +48,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def greedy(http: aiohttp.ClientSession, url: str, prompt: list[int]) -> list[int]:
+async def greedy(http: aiohttp.ClientSession, url: str, prompt: list[int], session: str) -> list[int]:
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -46,22 +57,26 @@ async def greedy(http: aiohttp.ClientSession, url: str, prompt: list[int]) -> li
         "temperature": 0,
         "return_token_ids": True,
     }
-    async with http.post(f"{url}/v1/completions", json=body) as resp:
+    async with http.post(f"{url}/v1/completions", json=body, headers={"X-Session-Id": session}) as resp:
         assert resp.status == 200, await resp.text()
         out = await resp.json()
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # fresh prompts; reloads are not hits
     return list(out["choices"][0]["token_ids"])
 
 
 async def engine_counters(http: aiohttp.ClientSession, up: UpProcess) -> dict[str, float]:
-    (url,) = (u for name, u in up.services.items() if name.startswith("engine"))
-    async with http.get(f"{url}/metrics") as resp:
-        text = await resp.text()
+    """The counters summed over every engine of the cluster."""
     wanted = {"kvpath_engine_preemptions", "kvpath_engine_kv_loaded_blocks", "kvpath_engine_prefill_tokens"}
-    return {
-        f.name: sum(s.value for s in f.samples if s.name.endswith("_total"))
-        for f in text_string_to_metric_families(text)
-        if f.name in wanted
-    }
+    counters = dict.fromkeys(wanted, 0.0)
+    for name, url in up.services.items():
+        if not name.startswith(("engine", "pe", "de")):
+            continue
+        async with http.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+        for family in text_string_to_metric_families(text):
+            if family.name in wanted:
+                counters[family.name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return counters
 
 
 async def test_preempted_sequences_reload_their_stored_prompt_and_keep_their_tokens(
@@ -70,15 +85,19 @@ async def test_preempted_sequences_reload_their_stored_prompt_and_keep_their_tok
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 250) for _ in range(PROMPT_TOKENS)] for _ in range(4)]
     before = await engine_counters(http, small_cache)
-    together = await asyncio.gather(*(greedy(http, small_cache.url, p) for p in prompts))
+    sessions = [f"preempt-{i}" for i in range(len(prompts))]
+    together = await asyncio.gather(
+        *(greedy(http, small_cache.url, p, s) for p, s in zip(prompts, sessions, strict=True))
+    )
     after = await engine_counters(http, small_cache)
-    alone = [await greedy(http, cold_cluster.url, p) for p in prompts]
+    alone = [await greedy(http, cold_cluster.url, p, s) for p, s in zip(prompts, sessions, strict=True)]
     assert together == alone
-    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    delta = {name: after[name] - before[name] for name in after}
     preemptions = delta["kvpath_engine_preemptions"]
     assert preemptions >= 1, delta
     # the preempted sequences read stored blocks back (there were none before: fresh prompts, no first hits)
-    assert 1 <= delta["kvpath_engine_kv_loaded_blocks"] <= preemptions * (PROMPT_TOKENS // BLOCK), delta
+    most = preemptions * ((PROMPT_TOKENS + MAX_TOKENS) // BLOCK)
+    assert 1 <= delta["kvpath_engine_kv_loaded_blocks"] <= most, delta
     # and computed the prompts about once: recomputing a preempted prompt would add at least its stored blocks
     again = preemptions * (BLOCK + PROMPT_TOKENS % BLOCK + MAX_TOKENS)
     assert delta["kvpath_engine_prefill_tokens"] <= len(prompts) * PROMPT_TOKENS + again, delta
