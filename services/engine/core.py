@@ -172,8 +172,11 @@ class EngineCore:
         while True:
             out = self._apply_aborts()
             plan = self.scheduler.schedule()
+            out += [self._finish(seq, "length") for seq in plan.full]  # the cache is its whole context
             if plan.is_empty:
                 await self.outbox.flush(out)
+                if plan.full:
+                    continue  # its blocks are free: queued requests may start now
                 self._wake.clear()
                 if not any(s.abort_reason for s in self.seqs.values()):
                     with contextlib.suppress(TimeoutError):

@@ -3,7 +3,8 @@
 Each step: every running sequence past its prefill decodes one token; prefill chunks of partially
 prefilled and then waiting sequences fill a token budget (chunked prefill). When the cache runs out of
 blocks, the newest running sequence is preempted (its blocks freed; it is recomputed later from prompt +
-output so far).
+output so far). A sequence alone in a full cache is not preempted (it would only come back to the same
+cache): the cache is its whole context, and it ends at `length`.
 Stored prefix KV (hits) is loaded during a sequence's first chunk: those tokens cost blocks, not budget.
 The n choices of one request share their prompt's blocks (`fork`, reference-counted); a choice about to
 write into a block it shares gets a private copy first (copy-on-write: `StepPlan.copies`, done before the
@@ -61,6 +62,7 @@ class StepPlan:
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    full: list[Sequence] = field(default_factory=list)  # alone and the cache is full: it ends at `length`
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) block, before compute
 
     @property
@@ -270,6 +272,9 @@ class EngineScheduler:
                 continue
             while not (self._own_next_block(seq, plan) and self._grow(seq, seq.num_computed_tokens + 1)):
                 victim = self.running[-1]
+                if victim is seq and len(self.running) == 1:
+                    plan.full.append(seq)  # nothing else holds blocks: preempting it would only loop
+                    break
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is seq:

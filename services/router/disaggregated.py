@@ -34,7 +34,7 @@ from services.policy.short_first import (
     postponements,
     short_first_order,
 )
-from services.policy.snapshot import PendingRequest, Placement
+from services.policy.snapshot import ROLE_DECODE, PendingRequest, Placement
 from services.policy.thresholds import Thresholds, thresholds_from_rates
 from services.router import metrics
 from services.router.dispatch import Dispatch
@@ -326,11 +326,14 @@ class DisaggregatedDispatch(Dispatch):
         """Wait for a placement; the wait is the `schedule` span (the task requests carry the HTTP span)."""
         kv_format = self.engines.kv_format
         block_size = kv_format.block_size if kv_format is not None else 1
+        need = plan.num_prompt_tokens + plan.sampling.max_tokens
+        if largest := self.engines.largest_kv_blocks(ROLE_DECODE, time.monotonic()) * block_size:
+            need = max(plan.num_prompt_tokens, min(need, largest))  # else no placement ever finds room
         request = PendingRequest(
             request_id=plan.request_id,
             prompt_tokens=plan.num_prompt_tokens,
             hit_tokens=plan.kv.num_hit_blocks * block_size,
-            hbm_need_tokens=plan.num_prompt_tokens + plan.sampling.max_tokens,
+            hbm_need_tokens=need,
         )
         with telemetry.span("schedule") as span:
             placement = await self.queue.place(request, deadline)

@@ -191,6 +191,11 @@ class EngineTable:
             out.append(state)
         return out
 
+    def largest_kv_blocks(self, role: str, now: float) -> int:
+        """The most KV blocks one live engine of `role` has in all (0: none reports): a request that needs
+        more can still run there, ending `length` at the edge of that cache, but never waits for more room."""
+        return max((st.report.total_kv_blocks for st in self.live(now, roles=(role,))), default=0)
+
     def silent(self, now: float) -> list[str]:
         """Services whose reports stopped: they are dead or cut off."""
         return [sid for sid, st in self._engines.items() if now - st.received_at > self.silence_timeout_s]

@@ -101,3 +101,23 @@ async def test_preempted_sequences_reload_their_stored_prompt_and_keep_their_tok
     # and computed the prompts about once: recomputing a preempted prompt would add at least its stored blocks
     again = preemptions * (BLOCK + PROMPT_TOKENS % BLOCK + MAX_TOKENS)
     assert delta["kvpath_engine_prefill_tokens"] <= len(prompts) * PROMPT_TOKENS + again, delta
+
+
+async def test_a_request_longer_than_the_whole_cache_ends_at_its_edge(
+    small_cache: UpProcess, http: aiohttp.ClientSession
+) -> None:
+    """Alone, a sequence that outgrows all 16 blocks has nobody to preempt but itself, and coming back would
+    meet the same cache: it ends `length` at the cache's last position instead of looping to its deadline."""
+    prompt = [random.Random(11).randrange(3, 250) for _ in range(PROMPT_TOKENS)]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 800, "ignore_eos": True, "temperature": 0}
+    before = await engine_counters(http, small_cache)
+    async with http.post(
+        f"{small_cache.url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=60)
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+        out = await resp.json()
+    assert out["choices"][0]["finish_reason"] == "length"
+    # positions 0..1023 hold KV; the token sampled from the last one needs none
+    assert out["usage"]["completion_tokens"] == 16 * BLOCK - PROMPT_TOKENS + 1
+    after = await engine_counters(http, small_cache)
+    assert after["kvpath_engine_preemptions"] == before["kvpath_engine_preemptions"]

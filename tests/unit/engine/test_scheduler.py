@@ -106,6 +106,23 @@ def test_preempts_newest_when_out_of_blocks_and_recomputes_it() -> None:
     assert [(c.seq.request_id, c.start, c.num_tokens, c.sample) for c in plan.prefill] == [("b", 0, 8, False)]
 
 
+def test_a_sequence_alone_in_a_full_cache_ends_instead_of_preempting_itself() -> None:
+    s = sched(blocks=2, budget=64)
+    a, b = seq("a", 7, max_tokens=100), seq("b", 4)
+    s.add(a)
+    run_prefill(s)
+    plan = s.schedule()  # position 7 is the last place in the 2-block cache
+    assert plan.decode == [a]
+    apply(plan)
+    s.add(b)  # b waits for a's blocks
+    plan = s.schedule()  # position 8 needs a third block and nobody else holds one
+    assert plan.full == [a] and plan.preempted == [] and plan.decode == [] and plan.prefill == []
+    assert a.status is SeqStatus.RUNNING and a.num_preemptions == 0
+    s.finish(a, "length")
+    plan = s.schedule()
+    assert [c.seq.request_id for c in plan.prefill] == ["b"]
+
+
 def test_hit_tokens_are_loaded_not_budgeted() -> None:
     s = sched(budget=4)
     a = seq("a", 14)
