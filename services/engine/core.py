@@ -228,6 +228,7 @@ class EngineCore:
 
     async def _prefill(self, computed: list[PrefillChunk]) -> dict[Sequence, int]:
         started = time.perf_counter()
+        waiting = [choices.pending(c.seq) if c.sample else [] for c in computed]  # first tokens sampled now
         pseqs = [
             PrefillSeq(
                 seq_id=c.seq.request_id,
@@ -238,9 +239,9 @@ class EngineCore:
                 sampling=sampling_options(c.seq),
                 banned_token_ids=banned_token_ids(c.seq, self.runner.spec.eos_token_ids),
                 prefix=self.connector.attention_prefix(c.seq),
-                forks=[sampling_options(x) for x in choices.pending(c.seq)] if c.sample else [],
+                forks=[sampling_options(x) for x in forks],
             )
-            for c in computed
+            for c, forks in zip(computed, waiting, strict=True)
         ]
         out = await self.runner.prefill(pseqs, self.connector.layer_hook(computed))
         elapsed = time.perf_counter() - started
@@ -254,8 +255,8 @@ class EngineCore:
         metrics.PREFILL_TOKENS.inc(num_tokens)
         self.prefill_rates.count(num_tokens, sum(c.load_tokens for c in computed), elapsed)
         sampled = {c.seq: t for c, t in zip(computed, out, strict=True) if t is not None}
-        for c, p in zip(computed, pseqs, strict=True):  # the other choices' first tokens (choices.py)
-            sampled.update(zip(choices.pending(c.seq), p.fork_token_ids, strict=True))
+        for forks, p in zip(waiting, pseqs, strict=True):  # the other choices' first tokens (choices.py)
+            sampled.update(zip(forks, p.fork_token_ids, strict=True))
         return sampled
 
     async def _decode(self, seqs: list[Sequence]) -> dict[Sequence, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -211,6 +212,22 @@ async def test_n_choices_prefill_once_and_a_disconnect_frees_them_all(
     assert await prefill_tokens(http, engine_url) - prefilled == num_prompt_tokens  # once, not 4 times
     resp.close()  # the client goes away mid-stream
     await wait_until(lambda: engine_idle(http, engine_url), timeout_s=10)
+
+
+async def test_n_choices_of_a_prompt_prefilled_in_chunks(
+    cluster: UpProcess, http: aiohttp.ClientSession
+) -> None:
+    """A prompt longer than one step's prefill budget (2,048 tokens) is prefilled in chunks; the choices
+    waiting on it get their first tokens with the last chunk only (before, the first chunk failed the
+    request: no first tokens came back for them)."""
+    prompt = [random.Random(3).randrange(3, 250) for _ in range(2_300)]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+    async with http.post(f"{cluster.url}/v1/completions", json={**body, "n": 3}) as resp:
+        assert resp.status == 200, await resp.text()
+        texts = [c["text"] for c in (await resp.json())["choices"]]
+    async with http.post(f"{cluster.url}/v1/completions", json=body) as resp:
+        alone = (await resp.json())["choices"][0]["text"]
+    assert texts == [alone] * 3  # greedy: every choice is the single completion
 
 
 async def test_a_stop_string_ends_every_choice_on_the_engine_too(
