@@ -100,7 +100,10 @@ class BlockWriter:
         self._announce_removed = announce_removed
         self._io_slots = asyncio.Semaphore(limits.max_concurrent_writes)
         self._room_lock = asyncio.Lock()
-        self._inflight: dict[BlockKey, asyncio.Future[bool]] = {}  # block -> its write in an I/O thread
+        # block -> the claim of the request that writes it, from before its room is reserved until its file
+        # is written or given up; `_writing`: the claimed blocks whose I/O has begun (it settles them)
+        self._inflight: dict[BlockKey, asyncio.Future[bool]] = {}
+        self._writing: set[BlockKey] = set()
         self._num_pending = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -152,17 +155,21 @@ class BlockWriter:
             )
         fp_hash = fingerprint_seed(req.fingerprint)
         keys: list[BlockKey] = [(fp_hash, h) for h in req.block_hashes]
-        for key in keys:  # the same block written by another request right now: that write owns it
-            other = self._inflight.get(key)
-            if other is not None:
-                await asyncio.wait([other])
+        # the same block written by another request right now: that write owns it. Wait until none of ours
+        # is claimed, then claim the new ones with no wait in between: a block in the catalog and claimed
+        # by nobody has its file, so it is announced as existing only once it exists
+        while owners := [f for key in keys if (f := self._inflight.get(key)) is not None]:
+            await asyncio.wait(owners)
         now = time.time()
         new = [i for i in reversed(range(len(keys))) if not self.catalog.touch(keys[i], now)][::-1]
+        claims = {keys[i]: asyncio.get_running_loop().create_future() for i in new}
+        self._inflight.update(claims)
         # the blocks this request will announce stay pinned until their BlockStored is in the stream: an
         # eviction before would publish their BlockRemoved first (the index then keeps a removed block)
         is_new = set(new)
         announced = [key for i, key in enumerate(keys) if i not in is_new]
         self._pin(announced)
+        reserved: list[BlockKey] = []
         try:
             file_bytes = HEADER_BYTES + req.block_bytes
             reserved = await self._reserve(
@@ -174,6 +181,24 @@ class BlockWriter:
         finally:
             for key in announced:
                 self.catalog.unpin(key)
+            self._give_up(claims, set(reserved))
+
+    def _give_up(self, claims: dict[BlockKey, asyncio.Future[bool]], reserved: set[BlockKey]) -> None:
+        """The claimed blocks whose I/O never began (no room, or the request ended first): their
+        reservations go (unpinned, out of the catalog) and the requests waiting for them go on."""
+        for key, claim in claims.items():
+            if claim.done() or key in self._writing:
+                continue  # settled, or its I/O thread settles it
+            if key in reserved:
+                self.catalog.unpin(key)
+                self.catalog.remove(key)
+            self._release(key, claim, False)
+
+    def _release(self, key: BlockKey, claim: asyncio.Future[bool], written: bool) -> None:
+        if self._inflight.get(key) is claim:
+            del self._inflight[key]
+        if not claim.done():
+            claim.set_result(written)
 
     def _pin(self, keys: list[BlockKey]) -> None:
         for key in keys:
@@ -245,7 +270,7 @@ class BlockWriter:
             job = loop.run_in_executor(
                 self._executor, self._persist_sync, key, req.parent_hashes[i], payload, req.block_bytes
             )
-            self._inflight[key] = job
+            self._writing.add(key)
             job.add_done_callback(lambda done: self._settle(key, done))
             written = await asyncio.shield(job)
             if written and done_at > loop.time():
@@ -255,9 +280,9 @@ class BlockWriter:
         return bool(written)
 
     def _settle(self, key: BlockKey, job: asyncio.Future[bool]) -> None:
-        """The write of `key` ended: keep its entry (written, or our own existing file), or drop it."""
-        if self._inflight.get(key) is job:
-            del self._inflight[key]
+        """The write of `key` ended: keep its entry (written, or our own existing file), or drop it; then
+        the requests waiting on its claim go on."""
+        self._writing.discard(key)
         self.catalog.unpin(key)
         ok = not job.cancelled() and job.exception() is None
         if not ok or (not job.result() and self.limits.is_shared_root):
@@ -265,6 +290,9 @@ class BlockWriter:
         else:
             self.catalog.touch(key, time.time())
         metrics.STORE_USED_BYTES.set(self.catalog.used_bytes)
+        claim = self._inflight.get(key)
+        if claim is not None:
+            self._release(key, claim, ok)
 
     def _persist_sync(self, key: BlockKey, parent_hash: int, payload: memoryview, block_bytes: int) -> bool:
         if self.store.exists(key[0], key[1], block_bytes):
