@@ -37,15 +37,15 @@ from services.policy.short_first import (
 from services.policy.snapshot import ROLE_DECODE, PendingRequest, Placement
 from services.policy.thresholds import Thresholds, thresholds_from_rates
 from services.router import metrics
-from services.router.dispatch import Dispatch
+from services.router.dispatch import TIMER_SLACK_S, Dispatch
 from services.router.engines import EngineTable
 from services.router.pd_tasks import ask
 from services.router.streams import StreamTable
 from shared import telemetry
 from shared.bus import Bus
-from shared.errors import DeadlineExceededError, NoEngineAvailableError, error_from_code
+from shared.errors import DeadlineExceededError, NoEngineAvailableError, OverloadedError, error_from_code
 from shared.protocol import COMPUTE_RATE, KvPlan, Message, RequestPlan
-from shared.protocol.tasks import DecodeTask, PrefillTask
+from shared.protocol.tasks import BufferRef, DecodeTask, PrefillTask
 
 R = TypeVar("R", bound=Message)
 
@@ -287,30 +287,57 @@ class DisaggregatedDispatch(Dispatch):
     async def dispatch(
         self, plan: RequestPlan, deadline: float, streams: StreamTable, locality: Mapping[str, int]
     ) -> dict[str, float]:
-        """Return the router-side timings (schedule_s, allocate_s); raise if no engine pair takes it."""
-        started = time.monotonic()
-        placement = await self._place(plan, deadline)
-        placed = time.monotonic()
-        metrics.TTFT_STAGE.labels("schedule").observe(placed - started)
+        """Return the router-side timings (schedule_s, allocate_s); raise if no engine pair takes it. A
+        decode engine that refuses for want of room (its DE buffer or queue full: nothing was reserved
+        there) counts as full until its next report, and the request is placed again, until its deadline."""
+        started, kv = time.monotonic(), plan.kv
+        while True:
+            placement = await self._place(plan, deadline)
+            placed = time.monotonic()
+            metrics.TTFT_STAGE.labels("schedule").observe(placed - started)
+            read_side = placement.read_side.value if placement.read_side is not None else ""
+            hits = kv.num_hit_blocks if read_side else 0
+            plan.kv = KvPlan(block_hashes=kv.block_hashes, num_hit_blocks=hits, read_side=read_side)
+            log.debug(
+                "placed request_id=%s pe=%s de=%s read_side=%s",
+                plan.request_id, placement.pe_id, placement.de_id, read_side or "none",
+            )  # fmt: skip
+            try:
+                de_ack = await ask(
+                    self, placement.de_id, DecodeTask(plan=plan, pe_id=placement.pe_id), deadline
+                )
+            except BaseException:
+                self.queue.taken(placement.pe_id, plan.request_id, accepted=False)
+                raise
+            if de_ack.accepted and de_ack.buffer is not None:
+                break
+            self.queue.taken(placement.pe_id, plan.request_id, accepted=False)
+            refusal = error_from_code(de_ack.code or "overloaded", de_ack.message or "decode engine refused")
+            if not isinstance(refusal, OverloadedError) or time.monotonic() >= deadline - TIMER_SLACK_S:
+                raise refusal
+            self.engines.note_refused(placement.de_id, placement.pe_id, plan.num_prompt_tokens)
+            metrics.DECODE_REFUSED.inc()
+            log.debug("decode engine %s full (%s): request_id=%s placed again", placement.de_id,
+                      refusal.message, plan.request_id)  # fmt: skip
         streams.assign(plan.request_id, placement.de_id)
         streams.assign(plan.request_id, placement.pe_id)
-        read_side = placement.read_side.value if placement.read_side is not None else ""
-        plan.kv = KvPlan(
-            block_hashes=plan.kv.block_hashes,
-            num_hit_blocks=plan.kv.num_hit_blocks if read_side else 0,
-            read_side=read_side,
-        )
-        log.debug(
-            "placed request_id=%s pe=%s de=%s read_side=%s",
-            plan.request_id, placement.pe_id, placement.de_id, read_side or "none",
-        )  # fmt: skip
+        return await self._prefill(plan, placement, de_ack.buffer, deadline, (started, placed))
+
+    async def _prefill(
+        self,
+        plan: RequestPlan,
+        placement: Placement,
+        buffer: BufferRef,
+        deadline: float,
+        times: tuple[float, float],
+    ) -> dict[str, float]:
+        """Hand the prefill to the PE, which writes the prompt's KV into the decode engine's `buffer`
+        (`times`: when the dispatch started, and when its placement was made)."""
+        started, placed = times
+        timings = {"schedule_s": placed - started, "allocate_s": time.monotonic() - placed}
+        is_layerwise = self.queue.params.policy != "basic"
+        task = PrefillTask(plan=plan, de_buffer=buffer, is_layerwise=is_layerwise, timings=timings)
         try:
-            de_ack = await ask(self, placement.de_id, DecodeTask(plan=plan, pe_id=placement.pe_id), deadline)
-            if not de_ack.accepted or de_ack.buffer is None:
-                raise error_from_code(de_ack.code or "overloaded", de_ack.message or "decode engine refused")
-            timings = {"schedule_s": placed - started, "allocate_s": time.monotonic() - placed}
-            is_layerwise = self.queue.params.policy != "basic"
-            task = PrefillTask(plan=plan, de_buffer=de_ack.buffer, is_layerwise=is_layerwise, timings=timings)
             pe_ack = await ask(self, placement.pe_id, task, deadline)
         except BaseException:
             self.queue.taken(placement.pe_id, plan.request_id, accepted=False)

@@ -149,6 +149,16 @@ class EngineTable:
                 state.pending_kv_release.append((time.monotonic() + release_in_s, kv_tokens))
             self._changed[service_id] = None
 
+    def note_refused(self, de_id: str, pe_id: str, tokens: int) -> None:
+        """A decode engine refused a request for want of room: it counts as full until its next report
+        (which replaces this state), and the prefill engine placed with it did not get the request."""
+        state = self._engines.get(de_id)
+        if state is not None:
+            block_size = self.kv_format.block_size if self.kv_format is not None else 1
+            state.pending_kv_tokens = max(state.pending_kv_tokens, state.report.free_kv_blocks * block_size)
+            self._changed[de_id] = None
+        self.note_unassigned(pe_id, tokens)
+
     def note_unassigned(self, service_id: str, tokens: int) -> None:
         """Undo `note_assigned` for a task the engine did not take (unless a report already reset it)."""
         state = self._engines.get(service_id)

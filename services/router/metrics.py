@@ -42,6 +42,10 @@ REDISPATCHED = Counter(
     "Requests dispatched again because an engine serving them was lost before their first token",
     ["reason"],
 )
+DECODE_REFUSED = Counter(
+    "kvpath_router_decode_refusals_total",
+    "Requests a decode engine refused for want of room (DE buffer or queue full), then placed again",
+)
 ENGINES_SUSPECTED = Counter(
     "kvpath_router_engines_suspected_total",
     "Engines left out of decisions until their next load report, because another engine saw them go",
