@@ -109,8 +109,9 @@ class DecodeView:
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     """`target`: LOCAL or a PE id; `reason`: ttft_slack | itl_slack | cost | forced | only_local |
-    only_remote; `estimate_s`: the Eq. 1/2 estimate of the chosen target; `history_source` (remote):
-    SOURCE_HBM, SOURCE_STORAGE or SOURCE_NONE."""
+    only_remote, or the router's remote_full (the decode engine had no room for a remote turn);
+    `estimate_s`: the Eq. 1/2 estimate of the chosen target; `history_source` (remote): SOURCE_HBM,
+    SOURCE_STORAGE or SOURCE_NONE."""
 
     target: str
     reason: str

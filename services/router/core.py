@@ -101,7 +101,7 @@ class RouterCore:
             if n:
                 metrics.ENGINE_FAILURES.labels("restarted").inc(n)
                 log.warning("engine restarted engine=%s failed_streams=%d", report.service_id, n)
-        self.dispatch.on_load_report()
+        self.dispatch.on_load_report(report.service_id)
 
     def fail_silent_engines(self) -> int:
         """Fail the streams of engines whose load reports stopped, and streams with a token gap that did not

@@ -278,7 +278,7 @@ class DisaggregatedDispatch(Dispatch):
         super().__init__(engines, bus, router_id, ack_timeout_s)
         self.queue = PlacementQueue(engines, params)
 
-    def on_load_report(self) -> None:
+    def on_load_report(self, engine_id: str) -> None:
         self.queue.kick()
 
     async def run(self) -> None:

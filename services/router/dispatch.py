@@ -84,8 +84,8 @@ class Dispatch(abc.ABC):
         timings (seconds by stage). `locality`: leading prompt blocks each KV location holds (the index's
         per-location answer; empty without an index). Raise a `KvpathError` when no engine takes it."""
 
-    def on_load_report(self) -> None:  # noqa: B027 (a hook: most dispatches need nothing)
-        """Loads changed (a report arrived): queued requests may fit now."""
+    def on_load_report(self, engine_id: str) -> None:  # noqa: B027 (a hook: most dispatches need nothing)
+        """Loads changed (`engine_id` reported): queued requests may fit now."""
 
     def on_token_batch(self, batch: TokenBatch, now: float) -> None:  # noqa: B027
         """Token deltas arrived (router clock `now`); session policies measure TTFT and ITL here."""

@@ -44,7 +44,8 @@ REDISPATCHED = Counter(
 )
 DECODE_REFUSED = Counter(
     "kvpath_router_decode_refusals_total",
-    "Requests a decode engine refused for want of room (DE buffer or queue full), then placed again",
+    "Hand-offs a decode engine refused for want of room (DE buffer or queue full): placed again (DualPath,"
+    " always-remote) or prefilled on that decode engine itself (AMPD)",
 )
 ENGINES_SUSPECTED = Counter(
     "kvpath_router_engines_suspected_total",

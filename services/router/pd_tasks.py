@@ -77,23 +77,6 @@ async def send_local(
     return {}
 
 
-async def send_remote(
-    dispatch: Dispatch,
-    plan: RequestPlan,
-    pair: tuple[str, str],
-    history: HistoryPlan,
-    deadline: float,
-    streams: StreamTable,
-    *,
-    de_kv: KvPlan | None = None,
-) -> dict[str, float]:
-    """`pair` = (prefill engine, decode engine): the DE takes the turn (`take_turn`), then the PE prefills it
-    (`prefill_turn`). Return the router's stage timings."""
-    placed = time.monotonic()
-    buffer = await take_turn(dispatch, plan, pair, deadline, de_kv=de_kv)
-    return await prefill_turn(dispatch, plan, pair, buffer, history, deadline, streams, placed=placed)
-
-
 async def take_turn(
     dispatch: Dispatch, plan: RequestPlan, pair: tuple[str, str], deadline: float, *, de_kv: KvPlan | None
 ) -> BufferRef:

@@ -27,6 +27,8 @@ from functools import partial
 from pathlib import Path
 
 from services.policy.ampd import (
+    LOCAL,
+    MODE_AMPD,
     SOURCE_HBM,
     SOURCE_STORAGE,
     AmpdParams,
@@ -44,11 +46,18 @@ from services.policy.ampd_costs import CostModel
 from services.policy.snapshot import ROLE_DECODE, ROLE_PREFILL
 from services.router import metrics
 from services.router.config import RouterConfig
-from services.router.dispatch import MAX_DISPATCH_ATTEMPTS, Dispatch, publish_abort, undispatched
+from services.router.dispatch import (
+    MAX_DISPATCH_ATTEMPTS,
+    TIMER_SLACK_S,
+    Dispatch,
+    publish_abort,
+    undispatched,
+)
 from services.router.engines import EngineTable
 from services.router.measured_costs import measured_cost_model
-from services.router.pd_tasks import send_local, send_remote
+from services.router.pd_tasks import prefill_turn, send_local, take_turn
 from services.router.pd_tasks import stored_blocks as stored_count
+from services.router.room_queue import RoomQueue
 from services.router.sessions import Flight, FlightBook, SessionTable
 from services.router.streams import StreamTable
 from shared.blocks import max_hit_blocks
@@ -84,6 +93,7 @@ class SessionDispatch(Dispatch):
         self.profiled = load_cost_profile(params.cost_profile) if params.cost_profile else None
         self.rng = random.Random()
         self.rr_cursor = 0
+        self.room = RoomQueue()  # always-remote turns waiting for their decode engine's room
 
     # ------------------------------------------------------------------------------ router core hooks
 
@@ -111,12 +121,7 @@ class SessionDispatch(Dispatch):
             decision = self._route(turn, de)
             streams.assign(plan.request_id, de)
             try:
-                if decision.is_local:
-                    timings = await send_local(self, plan, de, stored_blocks, deadline)
-                else:
-                    history = partial(self._history_plan, plan, stored_blocks=stored_blocks)
-                    pair = (decision.target, de)
-                    timings = await send_remote(self, plan, pair, history, deadline, streams)
+                timings, decision = await self._send(plan, de, decision, stored_blocks, deadline, streams)
             except (ServiceUnavailableError, DeadlineExceededError, OverloadedError) as exc:
                 streams.unassign(plan.request_id, de)  # the decode engine did not take it: try another
                 log.warning("session engine refused request_id=%s engine=%s: %s", plan.request_id, de, exc)
@@ -128,6 +133,44 @@ class SessionDispatch(Dispatch):
             self._started(plan, de, turn, decision, started)
             return timings
         raise undispatched(error, deadline, "session engine")
+
+    async def _send(
+        self,
+        plan: RequestPlan,
+        de: str,
+        decision: RouteDecision,
+        stored_blocks: int,
+        deadline: float,
+        streams: StreamTable,
+    ) -> tuple[dict[str, float], RouteDecision]:
+        """The turn to `de`, prefilled as decided; the timings and the decision carried out. A remote turn
+        the decode engine refuses for want of room (DE buffer or queue full: it reserved nothing) runs on
+        that engine itself under AMPD (`remote_full`); the always-remote baseline waits for the engine's
+        next load report and asks again, until the deadline."""
+        waited = False
+        while not decision.is_local:
+            pair, placed = (decision.target, de), time.monotonic()
+            try:
+                buffer = await take_turn(self, plan, pair, deadline, de_kv=None)
+            except OverloadedError:
+                if time.monotonic() >= deadline - TIMER_SLACK_S:
+                    raise
+                metrics.DECODE_REFUSED.inc()
+                if self.params.mode == MODE_AMPD:
+                    decision = RouteDecision(LOCAL, "remote_full", decision.estimate_s)
+                    break
+                await self.room.wait(de, deadline, again=waited)  # in line for its room (room_queue.py)
+                waited = True
+                continue
+            if waited:
+                self.room.taken(de)
+            history = partial(self._history_plan, plan, stored_blocks=stored_blocks)
+            timings = await prefill_turn(self, plan, pair, buffer, history, deadline, streams, placed=placed)
+            return timings, decision
+        return await send_local(self, plan, de, stored_blocks, deadline), decision
+
+    def on_load_report(self, engine_id: str) -> None:
+        self.room.reported(engine_id)
 
     def _decode_engine(self, session: str, tried: set[str]) -> str | None:
         """The session's live bound engine, or a new binding (lowest occupancy) among the untried ones."""
