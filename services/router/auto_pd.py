@@ -33,6 +33,7 @@ from functools import partial
 
 from services.policy.auto import LOCAL, Decision, Plan, Source
 from services.policy.snapshot import ROLE_DECODE, ROLE_PREFILL, EngineSnapshot
+from services.router import metrics
 from services.router.dispatch import (
     MAX_DISPATCH_ATTEMPTS,
     Dispatch,
@@ -82,9 +83,16 @@ class SentPlan:
 class EngineFault(Exception):
     """A send failed at one engine, with an error worth another decision without it."""
 
-    def __init__(self, engine_id: str, error: KvpathError) -> None:
+    def __init__(self, engine_id: str, error: KvpathError, *, receiving: bool = False) -> None:
         super().__init__(error.message)
         self.engine_id, self.error = engine_id, error
+        self.receiving = receiving  # the decode engine refused to receive a remote prefill
+
+    @property
+    def has_no_room_to_receive(self) -> bool:
+        """The decode engine had no room for a remote turn's KV (DE buffer or queue full; it reserved
+        nothing): it may still prefill the turn itself."""
+        return self.receiving and isinstance(self.error, OverloadedError)
 
 
 async def dispatch_pd(
@@ -102,10 +110,11 @@ async def dispatch_pd(
     stored = stored_blocks(plan, locality, block_size)
     pooled = pooled_blocks(plan, locality, block_size)
     tried: set[str] = set()
+    roles: tuple[str, ...] = PD_ROLES
     error: KvpathError | None = None
     for attempt in range(MAX_DISPATCH_ATTEMPTS):
         task = replace(plan, request_id=attempt_request_id(plan.request_id, attempt))
-        engines = [e for e in auto.engines.engine_snapshots(block_size, PD_ROLES) if e.engine_id not in tried]
+        engines = [e for e in auto.engines.engine_snapshots(block_size, roles) if e.engine_id not in tried]
         decision = decide(engines, task, locality)
         if decision is None:
             break
@@ -126,7 +135,11 @@ async def dispatch_pd(
                 fault.error.message,
             )
             await publish_abort(auto.bus, task.request_id, "dispatch failed")
-            tried.add(fault.engine_id)
+            if fault.has_no_room_to_receive:  # decide again among local plans (their predictions recorded)
+                roles = (ROLE_DECODE,)
+                metrics.DECODE_REFUSED.inc()
+            else:
+                tried.add(fault.engine_id)
             error = fault.error
             continue
         return SentPlan(timings, decision, task.request_id)
@@ -155,19 +168,19 @@ async def _send(
     # storage-de: the decode engine reads, from the moment it takes the turn
     de_kv = history(0) if chosen.source is Source.STORAGE_DE else None
     placed = time.monotonic()
-    with _at_fault(de):
+    with _at_fault(de, receiving=True):
         buffer = await take_turn(auto, plan, (pe, de), deadline, de_kv=de_kv)
     with _at_fault(pe):
         return await prefill_turn(auto, plan, (pe, de), buffer, history, deadline, streams, placed=placed)
 
 
 @contextmanager
-def _at_fault(engine_id: str) -> Iterator[None]:
+def _at_fault(engine_id: str, *, receiving: bool = False) -> Iterator[None]:
     """Name the engine behind an error that another decision, without that engine, may get around."""
     try:
         yield
     except RETRIED as exc:
-        raise EngineFault(engine_id, exc) from exc
+        raise EngineFault(engine_id, exc, receiving=receiving) from exc
 
 
 def tier_plan(hashes: list[int], source: Source, stored: int, pooled: int) -> KvPlan:
