@@ -11,7 +11,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -69,15 +69,7 @@ async def test_a_block_is_not_evicted_before_it_is_announced(segment: ShmSegment
 
     store = BlockStore(tmp_path, node=0)
     with concurrent.futures.ThreadPoolExecutor(2) as executor:
-        writer = BlockWriter(
-            store=store,
-            catalog=LruCatalog(capacity_bytes=0),
-            bucket=TokenBucket(0),
-            executor=executor,
-            limits=WriterLimits(4, 16, 16, 4),
-            announce_stored=announce_stored,
-            announce_removed=announce_removed,
-        )
+        writer = _writer(store, executor, 4, announce_stored, announce_removed)
         first = asyncio.create_task(writer.write(_request(segment, [11], "a")))
         await asyncio.wait_for(stored_called.wait(), 10)  # block 11 is written, its event not yet out
         key = (fingerprint_seed(FP), 11)
@@ -114,15 +106,7 @@ async def test_a_block_two_requests_write_at_once_is_announced_only_once_its_fil
     held = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as executor:
         executor.submit(held.wait, 10)  # the one I/O thread is busy: a's write queues behind it
-        writer = BlockWriter(
-            store=store,
-            catalog=LruCatalog(capacity_bytes=0),
-            bucket=TokenBucket(0),
-            executor=executor,
-            limits=WriterLimits(1, 16, 16, 4),
-            announce_stored=announce_stored,
-            announce_removed=announce_removed,
-        )
+        writer = _writer(store, executor, 1, announce_stored, announce_removed)
         a = asyncio.create_task(writer.write(_request(segment, [1], "a")))
         await _until(lambda: (fp_hash, 1) in writer._writing)  # a holds the I/O slot
         b = asyncio.create_task(writer.write(_request(segment, [2], "b")))
@@ -150,15 +134,7 @@ async def test_a_write_cancelled_before_its_io_leaves_no_reservation(
     held = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as executor:
         executor.submit(held.wait, 10)
-        writer = BlockWriter(
-            store=store,
-            catalog=LruCatalog(capacity_bytes=0),
-            bucket=TokenBucket(0),
-            executor=executor,
-            limits=WriterLimits(1, 16, 16, 4),
-            announce_stored=announce,
-            announce_removed=announce,
-        )
+        writer = _writer(store, executor, 1, announce, announce)
         a = asyncio.create_task(writer.write(_request(segment, [1], "a")))
         await _until(lambda: (fingerprint_seed(FP), 1) in writer._writing)  # a holds the I/O slot
         short = dataclasses.replace(_request(segment, [2], "b"), timeout_s=0.05)
@@ -179,3 +155,22 @@ async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.001)
+
+
+def _writer(
+    store: BlockStore,
+    executor: concurrent.futures.ThreadPoolExecutor,
+    io_slots: int,
+    announce_stored: Callable[..., Awaitable[int]],
+    announce_removed: Callable[..., Awaitable[int]],
+) -> BlockWriter:
+    """A writer over `store` with no capacity limit and no bandwidth cap, `io_slots` writes at once."""
+    return BlockWriter(
+        store=store,
+        catalog=LruCatalog(capacity_bytes=0),
+        bucket=TokenBucket(0),
+        executor=executor,
+        limits=WriterLimits(io_slots, 16, 16, 4),
+        announce_stored=announce_stored,
+        announce_removed=announce_removed,
+    )
