@@ -61,14 +61,15 @@ class EngineCore:
         )
         self._seed = fingerprint_seed(runner.fingerprint)
         self.quota = quota_planner(config, runner)
+        self.seqs: dict[str, Sequence] = {}  # every request in the engine, the one owner of its state
         self.scheduler = EngineScheduler(
             self.connector.block_allocator(runner.kv),
             block_size=runner.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             prefill_planner=self.quota.plan if self.quota is not None else None,
+            engine_seqs=self.seqs,
         )
-        self.seqs: dict[str, Sequence] = {}  # every request in the engine, the one owner of its state
         self._wake = asyncio.Event()
         self.is_idle = asyncio.Event()  # no request in the engine (drain waits on it)
         self.is_idle.set()
@@ -150,12 +151,11 @@ class EngineCore:
         self.scheduler.add(seq, first=seq.num_preemptions > 0)
         self._wake.set()
 
-    def _preempted(self, seqs: list[Sequence]) -> None:
-        """Sequences whose blocks the cache took back recompute, or first reload the prefix their connector
-        has stored since (`reloads_preempted`: a storage read instead of the prompt's compute)."""
-        for seq in seqs:
+    def _preempted(self, plan: StepPlan) -> None:
+        """Preempted sequences recompute, or first reload what their connector stored (reloads_preempted)."""
+        for i, seq in enumerate(plan.preempted):
             self.connector.release(seq)
-            metrics.PREEMPTIONS.inc()
+            metrics.PREEMPTIONS.labels("queued" if i < plan.num_taken_back else "running").inc()
             if self.connector.reloads_preempted:
                 self.scheduler.withdraw(seq)
                 seq.prepare_task = asyncio.create_task(self._prepare(seq), name=f"reload:{seq.request_id}")
@@ -173,16 +173,16 @@ class EngineCore:
             out = self._apply_aborts()
             plan = self.scheduler.schedule()
             out += [self._finish(seq, "length") for seq in plan.full]  # the cache is its whole context
+            self._preempted(plan)
             if plan.is_empty:
                 await self.outbox.flush(out)
-                if plan.full:
-                    continue  # its blocks are free: queued requests may start now
+                if plan.full or plan.preempted:
+                    continue  # blocks came free: queued requests may start now
                 self._wake.clear()
                 if not any(s.abort_reason for s in self.seqs.values()):
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), IDLE_RECHECK_S)
                 continue
-            self._preempted(plan.preempted)
             if plan.copies:  # copy-on-write of shared blocks, before the step writes into the copies
                 await self.runner.copy_blocks(plan.copies)
             try:

@@ -24,7 +24,9 @@ KV_BLOCKS_TOTAL = Gauge("kvpath_engine_kv_blocks_total", "Paged KV cache blocks 
 RUNNING = Gauge("kvpath_engine_requests_running", "Sequences holding KV blocks")
 WAITING = Gauge("kvpath_engine_requests_waiting", "Sequences queued or fetching their stored prefix")
 PREEMPTIONS = Counter(
-    "kvpath_engine_preemptions_total", "Running sequences whose cache blocks were taken back (cache full)"
+    "kvpath_engine_preemptions_total",
+    "Sequences whose cache blocks were taken back (cache full): running, or queued holding blocks",
+    ["of"],
 )
 KV_LOADED_BLOCKS = Counter(
     "kvpath_engine_kv_loaded_blocks_total", "Stored prefix blocks loaded instead of computed"

@@ -2,9 +2,14 @@
 
 Each step: every running sequence past its prefill decodes one token; prefill chunks of partially
 prefilled and then waiting sequences fill a token budget (chunked prefill). When the cache runs out of
-blocks, the newest running sequence is preempted (its blocks freed; it is recomputed later from prompt +
-output so far). A sequence alone in a full cache is not preempted (it would only come back to the same
-cache): the cache is its whole context, and it ends at `length`.
+blocks, queued sequences that hold blocks give them back first (a session's turn takes its resident KV when
+it arrives, and waits with it), the last in line first; then the newest running sequence is preempted (its
+blocks freed; it is recomputed later from prompt + output so far, or its stored blocks read back). A
+sequence alone in a full cache is not preempted (it would only come back to the same cache): the cache is
+its whole context, and it ends at `length`; alone but beside blocks that sequences still preparing hold,
+it waits for them. When nothing can run because the cache holds what the next sequence needs, the blocks
+are taken back the same way (`_is_stuck`): sequences holding blocks while they wait for one another would
+otherwise wait for their deadlines.
 Stored prefix KV (hits) is loaded during a sequence's first chunk: those tokens cost blocks, not budget.
 The n choices of one request share their prompt's blocks (`fork`, reference-counted); a choice about to
 write into a block it shares gets a private copy first (copy-on-write: `StepPlan.copies`, done before the
@@ -14,7 +19,7 @@ step's forward), so only the partly filled last prompt block is ever copied, n -
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -64,6 +69,7 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)
     full: list[Sequence] = field(default_factory=list)  # alone and the cache is full: it ends at `length`
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) block, before compute
+    num_taken_back: int = 0  # the first of `preempted` that were queued, not running (`_take_back_queued`)
 
     @property
     def is_empty(self) -> bool:
@@ -80,7 +86,11 @@ class EngineScheduler:
         max_num_batched_tokens: int,
         prefill_planner: PrefillPlanner | None = None,
         prefill_order: PrefillOrder | None = None,
+        engine_seqs: Mapping[str, Sequence] | None = None,
     ) -> None:
+        # every sequence of the engine, queued here or not: those still PREPARING may hold blocks already (a
+        # remote session turn keeps its resident KV while its prefill engine works)
+        self.engine_seqs: Mapping[str, Sequence] = engine_seqs if engine_seqs is not None else {}
         self.prefill_planner = prefill_planner
         self.prefill_order = prefill_order
         # None: partly prefilled sequences take the step's budget first. A ratio (shortest-first order): a
@@ -93,6 +103,7 @@ class EngineScheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._taken: list[Sequence] = []  # queued sequences whose blocks this step took back
 
     # ---------------------------------------------------------------------------------------- queries
 
@@ -193,6 +204,53 @@ class EngineScheduler:
     def schedule(self) -> StepPlan:
         if self.step_budget is not None:  # `step_target_s`: the budget from the measured compute rate
             self.max_num_batched_tokens = self.step_budget()
+        self._taken = []
+        plan = self._schedule()
+        while plan.is_empty and not plan.preempted and not plan.full and self._is_stuck():
+            partials = any(s.is_prefilling for s in self.running)
+            if self._take_back_queued(include_head=partials):
+                plan = self._schedule()
+            elif len(self.running) > 1:  # partly prefilled sequences wait for each other's blocks
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)  # nothing is admitted this step (it would only thrash)
+            else:
+                break
+        taken, self._taken = self._taken[::-1], []  # in line order
+        self.waiting.extend(taken)  # at the back of the line, where they were taken from
+        plan.preempted[:0] = taken
+        plan.num_taken_back = len(taken)
+        return plan
+
+    def _is_stuck(self) -> bool:
+        """Nothing runs this step, and because of the cache: the head of the queue, or a partly prefilled
+        running sequence, needs more blocks than are free. Nothing running will free any, so without taking
+        blocks back they wait for their deadlines."""
+        free = self.allocator.num_free_blocks
+        heads = [s for s in self.running if s.is_prefilling] + list(self.waiting)[:1]
+        return any(blocks_for(_start(s) + 1, self.block_size) - len(s.block_ids) > free for s in heads)
+
+    def _held_while_preparing(self) -> bool:
+        return any(s.block_ids for s in self.engine_seqs.values() if s.status is SeqStatus.PREPARING)
+
+    def _take_back_queued(self, *, include_head: bool) -> bool:
+        """Take back the blocks of the last sequence in line that holds some (a session's resident KV, which
+        its turn takes when it arrives), the head of the line only if `include_head`: it is preempted
+        (recomputed, or its stored prefix reloaded) and out of the queue until the step is planned. Queued
+        sequences give blocks back before running ones: they are idle, and running ones make progress.
+        False: no queued sequence holds any."""
+        queue = list(self.waiting)[0 if include_head else 1 :]
+        victim = next((s for s in reversed(queue) if s.block_ids), None)
+        if victim is None:
+            return False
+        self.waiting.remove(victim)
+        self._free(victim)
+        victim.num_computed_tokens = victim.num_hit_tokens = 0
+        victim.num_preemptions += 1
+        self._taken.append(victim)
+        return True
+
+    def _schedule(self) -> StepPlan:
         plan = StepPlan()
         self._schedule_decodes(plan)
         if self.prefill_planner is not None:
@@ -271,10 +329,13 @@ class EngineScheduler:
             if seq.status is not SeqStatus.RUNNING or seq.is_prefilling:
                 continue
             while not (self._own_next_block(seq, plan) and self._grow(seq, seq.num_computed_tokens + 1)):
+                if self._take_back_queued(include_head=True):
+                    continue
                 victim = self.running[-1]
                 if victim is seq and len(self.running) == 1:
-                    plan.full.append(seq)  # nothing else holds blocks: preempting it would only loop
-                    break
+                    if not self._held_while_preparing():
+                        plan.full.append(seq)  # nothing else holds blocks: preempting it would only loop
+                    break  # else it waits: those blocks come to the queue with their sequences, and back
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is seq:

@@ -200,3 +200,101 @@ def test_quota_planner_learns_the_profile_and_chunks_to_the_quota() -> None:
         <= 0.01
         < attention_flops(0, chunk + 1, shape) * s_per_flop
     )
+
+
+def holding(s: EngineScheduler, rid: str, n_prompt: int, n_blocks: int) -> Sequence:
+    """A sequence queued with `n_blocks` blocks it took when it arrived (a session's resident KV: all its
+    tokens but the last prompt one computed)."""
+    x = seq(rid, n_prompt)
+    x.block_ids = s.allocator.allocate(n_blocks)
+    x.num_computed_tokens = n_prompt - 1
+    return x
+
+
+def test_sequences_waiting_with_blocks_give_them_back_when_nothing_else_can_run() -> None:
+    s = sched(blocks=6, budget=64)
+    head = seq("head", 17)
+    head.num_hit_tokens = 16  # a loaded prefix: its 5 blocks are needed at once
+    s.add(head)
+    w1, w2 = holding(s, "w1", 6, 2), holding(s, "w2", 4, 1)
+    s.add(w1)
+    s.add(w2)
+    assert s.allocator.num_free_blocks == 3  # short of the head's 5, and nothing runs to free any
+    plan = s.schedule()
+    # the last in line gives its blocks back first, until the head fits; w1 and w2 start over behind it
+    assert plan.preempted == [w1, w2] and plan.num_taken_back == 2
+    assert [(c.seq.request_id, c.load_tokens) for c in plan.prefill] == [("head", 16)]
+    assert list(s.waiting) == [w1, w2] and s.running == [head]
+    assert all(w.block_ids == [] and w.num_computed_tokens == 0 and w.num_preemptions == 1 for w in (w1, w2))
+    apply(plan)
+    s.finish(head, "stop")
+    plan = s.schedule()
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.prefill] == [("w1", 0, 6), ("w2", 0, 4)]
+
+
+def test_waiting_blocks_stay_while_a_running_sequence_will_free_its_own() -> None:
+    s = sched(blocks=6, budget=64)
+    a = seq("a", 4, max_tokens=4)
+    s.add(a)
+    run_prefill(s)  # a decodes in its one block
+    head = seq("head", 17)
+    head.num_hit_tokens = 16
+    s.add(head)
+    w = holding(s, "w", 6, 2)
+    s.add(w)
+    plan = s.schedule()  # a decodes: the head waits for a's blocks, w keeps its own
+    assert plan.decode == [a] and plan.preempted == [] and plan.prefill == []
+    assert len(w.block_ids) == 2 and w.num_preemptions == 0
+
+
+def test_partly_prefilled_sequences_stuck_in_a_full_cache_preempt_the_newest() -> None:
+    s = sched(blocks=4, budget=64)
+    a, b = seq("a", 12), seq("b", 12)
+    for x in (a, b):  # both half prefilled, the cache full: neither can take its next chunk
+        x.block_ids = s.allocator.allocate(2)
+        x.num_computed_tokens = 8
+        x.status = SeqStatus.RUNNING
+        s.running.append(x)
+    plan = s.schedule()
+    assert plan.preempted == [b] and plan.num_taken_back == 0 and plan.is_empty and b.block_ids == []
+    assert s.waiting[0] is b
+    plan = s.schedule()  # a's chunk first; b starts over in the block left
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.prefill] == [("a", 8, 4), ("b", 0, 4)]
+
+
+def test_a_decode_short_of_a_block_takes_it_from_a_queued_sequence_not_its_own_end() -> None:
+    s = sched(blocks=4, budget=64)
+    a = seq("a", 7, max_tokens=100)
+    s.add(a)
+    run_prefill(s)
+    apply(s.schedule())  # position 7: a's two blocks are full
+    w = holding(s, "w", 6, 2)  # a session's turn took the other two when it arrived
+    s.add(w)
+    plan = s.schedule()  # before: a counted as alone in a full cache and ended at `length`
+    assert plan.decode == [a] and plan.full == [] and plan.preempted == [w] and plan.num_taken_back == 1
+    assert len(a.block_ids) == 3 and w.block_ids == [] and list(s.waiting) == [w]
+
+
+def test_a_lone_decode_waits_for_blocks_a_preparing_sequence_holds_instead_of_ending() -> None:
+    seqs: dict[str, Sequence] = {}
+    s = EngineScheduler(FreeList(4), block_size=4, max_num_seqs=8, max_num_batched_tokens=9, engine_seqs=seqs)
+    a = seq("a", 7, max_tokens=100)
+    seqs["a"] = a
+    s.add(a)
+    run_prefill(s)
+    apply(s.schedule())  # position 7: a's two blocks are full
+    r = holding(s, "r", 6, 2)  # a remote session turn: its resident KV held while its prefill engine works
+    seqs["r"] = r  # PREPARING, not queued yet
+    plan = s.schedule()
+    assert plan.is_empty and plan.full == [] and s.running == [a]  # before: a ended at `length` here
+    s.add(r)  # its prefill engine is done: queued, it gives its blocks back to the running decode
+    plan = s.schedule()
+    assert plan.decode == [a] and plan.preempted == [r] and r.block_ids == []
+    for x in (a, r):
+        s.finish(x, "stop")
+    b = seq("b", 7, max_tokens=100)
+    s.add(b)
+    run_prefill(s)
+    apply(s.schedule())
+    s.allocator.allocate(2)  # nobody's: held for good (a pinned chunk); b is alone in what is left
+    assert s.schedule().full == [b]
