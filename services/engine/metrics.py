@@ -47,6 +47,10 @@ PREFILL_LAYERS = Histogram(
     "Average wall time per layer of one layerwise prefill batch (compute + KV I/O)",
     buckets=_STEP_BUCKETS,
 )
+STAGING_WAITS = Counter(
+    "kvpath_engine_staging_waits_total",
+    "Prefill requests that waited in line for room in the staging buffer of KV sent to decode engines",
+)
 TRANSFER_BYTES = Counter("kvpath_engine_kv_transfer_bytes_total", "KV bytes sent to other engines", ["path"])
 PREFILL_PREDICTED = Histogram(
     "kvpath_engine_prefill_predicted_attention_seconds",

@@ -14,8 +14,10 @@ when the request ends here).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable
 from collections.abc import Sequence as Seq
 
@@ -52,7 +54,7 @@ class PrefillConnector(KvConnector):
         self.storage = ctx.node_storage()
         self.area = ReceiveArea(ctx.receiver, "pe_recv", area_bytes, self.storage.layout, ctx.engine_id)
         self.peers = ctx.peers
-        self._staging_alloc = ExtentAllocator(staging_bytes)
+        self.staging = StagingLine(ExtentAllocator(staging_bytes))
         staging = np.empty(staging_bytes, dtype=np.uint8)
         self.prefix = TieredPrefix(ctx.kv, ctx.tier, self.storage, ctx.block_size)
         layout = self.storage.layout
@@ -66,19 +68,28 @@ class PrefillConnector(KvConnector):
         await self.storage.close()
 
     def accept(self, seq: Sequence, task: Task) -> None:
-        """Reserve staging for the KV sent to the DE; OverloadedError when the staging buffer is full."""
+        """Reserve staging for the KV sent to the DE, or a place in line for it when the staging buffer is
+        full (`load` waits there); OverloadedError only for a prompt larger than the whole buffer."""
         assert isinstance(task, PrefillTask)  # the engine subscribes with `task_type`
         n_blocks = blocks_for(seq.num_prompt_tokens, self.block_size)
-        offset = self._staging_alloc.allocate(self.storage.layout.blocks_bytes(n_blocks))
-        if offset is None:
-            raise OverloadedError(f"PE staging buffer full ({n_blocks} blocks wanted)")
-        seq.kv_state = PeRecord(task=task, staging=offset)
+        n_bytes = self.storage.layout.blocks_bytes(n_blocks)
+        if not self.staging.fits(n_bytes):
+            raise OverloadedError(f"prompt larger than the PE staging buffer ({n_blocks} blocks)")
+        offset = self.staging.now(n_bytes)
+        seq.kv_state = PeRecord(task=task, staging=-1 if offset is None else offset, staging_bytes=n_bytes)
         seq.timings.update(task.timings)
 
     # --------------------------------------------------------------------------------------- load
 
     async def load(self, seq: Sequence) -> None:
         record: PeRecord = seq.kv_state
+        if record.staging < 0:  # the staging buffer was full: in line for its room, until the deadline
+            metrics.STAGING_WAITS.inc()
+            remaining_s = seq.deadline_unix_s - time.time()
+            try:
+                record.staging = await self.staging.wait(seq.request_id, record.staging_bytes, remaining_s)
+            except TimeoutError as exc:
+                raise DeadlineExceededError("the PE staging buffer stayed full until the deadline") from exc
         kv = seq.plan.kv
         if kv.num_hit_blocks <= 0 or not kv.read_side:
             return
@@ -166,7 +177,7 @@ class PrefillConnector(KvConnector):
             return
         self._drop_prefix(record)
         if record.staging >= 0:
-            self._staging_alloc.free(record.staging)
+            self.staging.free(record.staging)
             record.staging = -1
 
     async def _notify_done(self, de: BufferRef, meta: bytes, waits: list[Awaitable[None]]) -> None:
@@ -188,3 +199,48 @@ class PrefillConnector(KvConnector):
             self.area.free(pull)
         else:  # aborted mid-stream: free once the DE's last layer is in (or the DE is gone)
             self.storage.keep(self.area.drain(pull, self.num_layers - 1, peer_id=record.de_id))
+
+
+class StagingLine:
+    """The PE's staging buffer and the requests waiting for room in it, first come first served: one whose
+    KV does not fit waits for the requests before it to send theirs (a burst queues at the PE instead of
+    being refused, which failed the requests of the session policies with 429s)."""
+
+    def __init__(self, extents: ExtentAllocator) -> None:
+        self.extents = extents
+        self._line: OrderedDict[str, tuple[int, asyncio.Future[int]]] = OrderedDict()
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether `nbytes` fit in the empty buffer at all."""
+        return -(-nbytes // self.extents.alignment) * self.extents.alignment <= self.extents.capacity_bytes
+
+    def now(self, nbytes: int) -> int | None:
+        """An extent at once, unless the buffer is full or others wait (None: `wait` for it)."""
+        return None if self._line else self.extents.allocate(nbytes)
+
+    async def wait(self, request_id: str, nbytes: int, timeout_s: float) -> int:
+        """An extent once the requests before this one have theirs and room frees; TimeoutError after
+        `timeout_s`. A request that leaves while waiting (cancelled) leaves the line."""
+        granted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._line[request_id] = (nbytes, granted)
+        try:
+            return await asyncio.wait_for(granted, max(0.0, timeout_s))
+        except BaseException:
+            if granted.done() and not granted.cancelled():  # granted as it gave up: give it back
+                self.free(granted.result())
+            raise
+        finally:
+            self._line.pop(request_id, None)
+
+    def free(self, offset: int) -> None:
+        self.extents.free(offset)
+        while self._line:
+            request_id, (nbytes, granted) = next(iter(self._line.items()))
+            if granted.done():  # it gave up
+                self._line.pop(request_id)
+                continue
+            extent = self.extents.allocate(nbytes)
+            if extent is None:
+                return  # the head still does not fit: everyone behind it waits too (no overtaking)
+            self._line.pop(request_id)
+            granted.set_result(extent)

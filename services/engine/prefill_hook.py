@@ -34,7 +34,8 @@ class PeRecord:
     """The prefill connector's part of one request (`seq.kv_state`)."""
 
     task: PrefillTask
-    staging: int  # offset of this request's Full Blocks in the staging buffer (-1: freed)
+    staging: int  # offset of this request's Full Blocks in the staging buffer (-1: none: freed, or in line)
+    staging_bytes: int = 0  # what it needs there
     num_loaded_blocks: int = 0
     prefix: PrefixRead | None = None  # PE path: storage on this node (read side `pe`), or the pool first
     pull: Extent | None = None  # DE path: where the DE streams the prefix
