@@ -77,9 +77,7 @@ class ColocatedConnector(KvConnector):
         """The choice's blocks so far are its prompt's, persisted (or on their way) by choice 0."""
         record: _Record = parent.kv_state
         child.block_hashes = list(parent.block_hashes)
-        child.kv_state = _Record(
-            num_pool_blocks=record.num_pool_blocks, chain=PersistChain(record.chain.num_persisted_blocks)
-        )
+        child.kv_state = _Record(num_pool_blocks=record.num_pool_blocks, chain=record.chain.fork())
 
     # ------------------------------------------------------------------------------------------- load
 

@@ -144,7 +144,7 @@ class DecodeConnector(KvConnector):
         """The choice's prompt blocks are choice 0's: imported and persisted (or on their way) for it."""
         record: DeRecord = parent.kv_state
         child.block_hashes = list(parent.block_hashes)
-        persisted = PersistChain(record.chain.num_persisted_blocks)
+        persisted = record.chain.fork()
         handoff = Handoff(record.handoff.pe_id, record.handoff.extent, is_done=True)
         child.kv_state = DeRecord(handoff, chain=persisted, is_choice=True)
 

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 PERSIST_WAIT_S = 2.0  # longest a finished request waits for its blocks to become durable
 INDEX_PROBE_S = 5.0  # one wait of the probe that watches a lagging index catch up
+WRITE_FAILED = -1  # what a write's task returns when it failed (else the stream sequence of its events)
 STAGING_WARN_S = 60.0  # at most one warning this often about blocks lost to a full staging segment
 
 
@@ -48,6 +49,22 @@ class PersistChain:
     num_unstaged_blocks: int = 0  # full blocks after those that the staging segment had no room for yet
     is_broken: bool = False  # staging failed: later blocks could never be matched, so none is written
     writes: list[asyncio.Task[int]] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # the blocks [start, end) of each write
+
+    def fork(self) -> PersistChain:
+        """The chain of a choice forked from this sequence: the same blocks persisted or on their way,
+        written by this sequence's writes (the choice waits for them, and counts them, as its own)."""
+        return PersistChain(self.num_persisted_blocks, writes=list(self.writes), spans=list(self.spans))
+
+    def num_written_blocks(self) -> int:
+        """Leading blocks known to be in the store: those it started with, then each write's while the
+        writes ended without failing (one still on its way, or failed, ends the count)."""
+        count = self.spans[0][0] if self.spans else self.num_persisted_blocks
+        for (_, end), write in zip(self.spans, self.writes, strict=True):
+            if not write.done() or write.cancelled() or write.exception() is not None or write.result() < 0:
+                break
+            count = end
+        return count
 
 
 def root_of(seq: Sequence, seed: int) -> int:
@@ -104,6 +121,7 @@ class BlockPersister:
         context = telemetry.task_context(seq.trace.parent) if seq.trace is not None else None
         write = asyncio.create_task(self._write(seq.request_id, staged, hashes, parents), context=context)
         chain.writes.append(write)
+        chain.spans.append((start, end))
         self._background.keep(write)
 
     async def _write(
@@ -118,7 +136,7 @@ class BlockPersister:
                 "persist failed request_id=%s code=%s: %s", request_id, exc.code, exc.message,
                 extra={"request_id": request_id},
             )  # fmt: skip
-            return 0
+            return WRITE_FAILED
         self._staging_freed.set()
         metrics.KV_PERSISTED_BLOCKS.inc(result.num_written)
         return result.event_stream_seq
@@ -136,8 +154,10 @@ class BlockPersister:
         staging segment had no room for yet are held now (before the engine frees the sequence's blocks)
         and written as space frees."""
         if chain.num_unstaged_blocks and not chain.is_broken and self.holds_unstaged:
+            span = (chain.num_persisted_blocks, chain.num_persisted_blocks + chain.num_unstaged_blocks)
             write = asyncio.create_task(self._write_held(seq, chain))
             chain.writes.append(write)
+            chain.spans.append(span)
             self._background.keep(write)
         elif chain.num_unstaged_blocks:
             self._lost_to_staging(seq.request_id, chain.num_unstaged_blocks)
@@ -205,7 +225,7 @@ class BlockPersister:
         done, pending = await asyncio.wait(writes, timeout=PERSIST_WAIT_S)  # pending ones keep writing
         stream_seqs = [t.result() for t in done if not t.cancelled() and t.exception() is None]
         last = max(stream_seqs, default=0)
-        if last and not pending and not self.index_lagging:
+        if last > 0 and not pending and not self.index_lagging:
             try:
                 remaining = max(0.01, deadline - time.monotonic())
                 await self.index.wait_applied(last, timeout_s=remaining, fail_fast=True)

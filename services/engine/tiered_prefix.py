@@ -98,11 +98,12 @@ class TieredPrefix:
 
     async def reread(self, seq: Sequence, chain: PersistChain, *, hit_blocks: int = 0) -> PrefixRead:
         """A preempted sequence's stored leading blocks: its first `hit_blocks` and those its `chain` wrote
-        (once those writes ended, within their bound), its generated tokens' too, all but the block of the
-        last token it recomputes; the upper tier first as in `read`."""
+        (once those writes ended, within their bound; not those of a write still on its way or failed,
+        which the store does not have), its generated tokens' too, all but the block of the last token it
+        recomputes; the upper tier first as in `read`."""
         await self.storage.persister.wait_written(chain, seq.deadline_unix_s)
         usable = min(len(seq.block_hashes), max_hit_blocks(seq.prefill_target, self.block_size))
-        stored = min(max(hit_blocks, chain.num_persisted_blocks), usable)
+        stored = min(max(hit_blocks, chain.num_written_blocks()), usable)
         return await self.read(seq, tier_blocks=usable, stored_blocks=stored)
 
     def import_into(self, block_ids: list[int], read: PrefixRead, layer: int | None) -> None:
