@@ -211,8 +211,9 @@ class StagingLine:
         self._line: OrderedDict[str, tuple[int, asyncio.Future[int]]] = OrderedDict()
 
     def fits(self, nbytes: int) -> bool:
-        """Whether `nbytes` fit in the empty buffer at all."""
-        return -(-nbytes // self.extents.alignment) * self.extents.alignment <= self.extents.capacity_bytes
+        """Whether `nbytes` fit in the empty buffer at all (its whole aligned extents)."""
+        align, capacity = self.extents.alignment, self.extents.capacity_bytes
+        return -(-nbytes // align) * align <= capacity - capacity % align
 
     def now(self, nbytes: int) -> int | None:
         """An extent at once, unless the buffer is full or others wait (None: `wait` for it)."""

@@ -53,3 +53,5 @@ async def test_a_request_that_gives_up_leaves_the_line_and_keeps_nothing() -> No
 def test_a_prompt_larger_than_the_buffer_is_known_at_once() -> None:
     s = line(2)
     assert s.fits(2 * PAGE) and s.fits(2 * PAGE - 100) and not s.fits(2 * PAGE + 1)
+    ragged = StagingLine(ExtentAllocator(2 * PAGE + 100, alignment=PAGE))  # 2 whole pages usable
+    assert ragged.fits(2 * PAGE) and not ragged.fits(2 * PAGE + 50)
