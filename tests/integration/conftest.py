@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from shared.bus import Bus
@@ -20,3 +21,10 @@ async def stack(tmp_path: Path, nats_server: NatsServer, namespace: str) -> Asyn
     yield s, bus
     await bus.close()
     s.stop()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """An HTTP client for the tests' requests (a module may define its own)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        yield session

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -34,12 +34,6 @@ def small_buffer(
         yield request.param, up
     finally:
         assert up.stop() == 0, up.log()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        yield session
 
 
 async def greedy(http: aiohttp.ClientSession, url: str, prompt: list[int]) -> list[int]:

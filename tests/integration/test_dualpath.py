@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -55,12 +55,6 @@ def cold(
     up = UpProcess(tmp_path_factory.mktemp("cold"), "--model", model, "--no-kv-store")
     yield up
     assert up.stop() == 0, up.log()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        yield session
 
 
 async def metric(http: aiohttp.ClientSession, url: str, name: str) -> float:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,6 @@ BLOCK = 64
 def kv_cluster(kv_store_cluster: UpProcess) -> UpProcess:
     """`kvpath up --kv-root DIR`, shared with the load generator's tests (tests/conftest.py)."""
     return kv_store_cluster
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        yield session
 
 
 async def complete(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,12 +54,6 @@ def observed_cluster(tmp: Path, *args: str) -> Iterator[Observed]:
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     yield from observed_cluster(tmp_path_factory.mktemp("obs"))
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        yield session
 
 
 async def complete(http: aiohttp.ClientSession, url: str, prompt: list[int], session: str) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -32,12 +32,6 @@ def small_staging(
         yield up
     finally:
         assert up.stop() == 0, up.log()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        yield session
 
 
 async def test_a_burst_past_the_pe_staging_buffer_waits_for_room_and_is_served(

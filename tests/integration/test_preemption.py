@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -40,12 +40,6 @@ def small_cache(
         yield up
     finally:
         assert up.stop() == 0, up.log()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        yield session
 
 
 async def greedy(http: aiohttp.ClientSession, url: str, prompt: list[int], session: str) -> list[int]:
