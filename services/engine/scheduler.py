@@ -240,7 +240,8 @@ class EngineScheduler:
         sequences give blocks back before running ones: they are idle, and running ones make progress.
         False: no queued sequence holds any."""
         queue = list(self.waiting)[0 if include_head else 1 :]
-        victim = next((s for s in reversed(queue) if s.block_ids), None)
+        null = getattr(self.allocator, "null_block_or_none", -1)  # a routed prefix's places take no memory
+        victim = next((s for s in reversed(queue) if any(b != null for b in s.block_ids)), None)
         if victim is None:
             return False
         self.waiting.remove(victim)

@@ -298,3 +298,18 @@ def test_a_lone_decode_waits_for_blocks_a_preparing_sequence_holds_instead_of_en
     apply(s.schedule())
     s.allocator.allocate(2)  # nobody's: held for good (a pinned chunk); b is alone in what is left
     assert s.schedule().full == [b]
+
+
+def test_a_queued_routed_prefix_is_not_taken_back_its_places_take_no_memory() -> None:
+    class WithNullBlock(FreeList):
+        null_block_or_none = 99  # the block every routed prefix's places point at (gpu.kv_cache)
+
+    s = EngineScheduler(WithNullBlock(6), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    head = seq("head", 25)
+    head.num_hit_tokens = 24  # 7 blocks at once: more than the whole free cache
+    s.add(head)
+    routed = seq("routed", 9)
+    routed.block_ids, routed.num_hit_tokens = [99, 99], 8  # its first 8 tokens attend on the holder
+    s.add(routed)
+    plan = s.schedule()
+    assert plan.preempted == [] and routed.block_ids == [99, 99] and routed.num_preemptions == 0
