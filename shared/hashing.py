@@ -40,6 +40,16 @@ def kv_salt(tenant: str, cache_salt: str) -> int:
     return xxhash.xxh3_64_intdigest(b"kvpath-salt1\0" + tenant.encode() + b"\0" + cache_salt.encode()) or 1
 
 
+def session_key(session_id: str, salt: int) -> str:
+    """The session as engines and the router keep it: the client's id (`X-Session-Id` / `user`) scoped by the
+    request's chain salt, so that two tenants (or two `cache_salt`s) naming the same session never share its
+    binding or its resident KV, and the client's string (an e-mail in `user`, say) never reaches the bus or a
+    log. "" (no session) stays "". 128 bits: no two sessions meet by chance."""
+    if not session_id:
+        return ""
+    return xxhash.xxh3_128_hexdigest(b"kvpath-session1\0" + salt.to_bytes(8, "little") + session_id.encode())
+
+
 def chain_root(seed: int, salt: int) -> int:
     """The parent of a chain's first block: the fingerprint seed, mixed with the request's salt if any."""
     if not salt:

@@ -158,13 +158,13 @@ async def _send(
 ) -> dict[str, float]:
     """Execute the plan: a local prefill on the decode engine, or a remote one with the history's source
     (`stored`, `pooled`: the prompt's leading blocks in storage and in the pool)."""
-    pe, de, hashes = chosen.prefill_engine, chosen.decode_engine, plan.kv.block_hashes
+    pe, de, kv = chosen.prefill_engine, chosen.decode_engine, plan.kv
     if chosen.where == LOCAL:  # the engine takes its resident KV by itself; storage or the pool when planned
-        local = tier_plan(hashes, chosen.source, stored, pooled)
+        local = tier_plan(kv, chosen.source, stored, pooled)
         with _at_fault(de):
             return await send_local(auto, plan, de, local.num_hit_blocks, deadline, read_side=local.read_side)
     usable = max_hit_blocks(plan.num_prompt_tokens, _block_size(auto))
-    history = partial(remote_history, hashes, chosen.source, stored, usable, pooled=pooled)
+    history = partial(remote_history, kv, chosen.source, stored, usable, pooled=pooled)
     # storage-de: the decode engine reads, from the moment it takes the turn
     de_kv = history(0) if chosen.source is Source.STORAGE_DE else None
     placed = time.monotonic()
@@ -183,32 +183,33 @@ def _at_fault(engine_id: str, *, receiving: bool = False) -> Iterator[None]:
         raise EngineFault(engine_id, exc, receiving=receiving) from exc
 
 
-def tier_plan(hashes: list[int], source: Source, stored: int, pooled: int) -> KvPlan:
-    """What the engine that prefills loads from below its cache: the pool's prefix with storage below it
-    (read side `pool`, hits up to the longer of the two), the stored prefix, or nothing."""
+def tier_plan(kv: KvPlan, source: Source, stored: int, pooled: int) -> KvPlan:
+    """What the engine that prefills loads from below its cache (`kv`: the request's plan): the pool's prefix
+    with storage below it (read side `pool`, hits up to the longer of the two), the stored prefix, or
+    nothing."""
     if source is Source.POOL and pooled > 0:
-        return KvPlan(block_hashes=hashes, num_hit_blocks=max(pooled, stored), read_side="pool")
+        return kv.with_hits(max(pooled, stored), "pool")
     if source is Source.STORAGE and stored > 0:
-        return KvPlan(block_hashes=hashes, num_hit_blocks=stored)
-    return KvPlan(block_hashes=hashes)
+        return kv.with_hits(stored)
+    return kv.with_hits()
 
 
 def remote_history(
-    hashes: list[int], source: Source, stored: int, usable: int, kept_blocks: int, *, pooled: int = 0
+    kv: KvPlan, source: Source, stored: int, usable: int, kept_blocks: int, *, pooled: int = 0
 ) -> KvPlan:
     """The PE's KV plan once the decode engine named the blocks it kept: those (`hbm`), the pool's prefix
     (`pool`, storage below it), the stored prefix read on the PE's node (`pe`: planned, or `hbm` planned but
     nothing kept) or on the DE's (`de`: the DE had it from the start), or none."""
     if source is Source.STORAGE_DE:
-        return KvPlan(block_hashes=hashes, num_hit_blocks=stored, read_side="de")
+        return kv.with_hits(stored, "de")
     kept = min(kept_blocks, usable)
     if source is Source.HBM and kept > 0:
-        return KvPlan(block_hashes=hashes, num_hit_blocks=kept, read_side="hbm")
+        return kv.with_hits(kept, "hbm")
     if source is Source.POOL and pooled > 0:
-        return tier_plan(hashes, source, stored, pooled)
+        return tier_plan(kv, source, stored, pooled)
     if source in (Source.HBM, Source.STORAGE, Source.POOL) and stored > 0:
-        return KvPlan(block_hashes=hashes, num_hit_blocks=stored, read_side="pe")
-    return KvPlan(block_hashes=hashes)
+        return kv.with_hits(stored, "pe")
+    return kv.with_hits()
 
 
 def _block_size(dispatch: Dispatch) -> int:

@@ -41,7 +41,7 @@ from shared.errors import (
     TransportError,
     error_from_code,
 )
-from shared.hashing import kv_salt
+from shared.hashing import kv_salt, session_key
 from shared.protocol import LoadReport, RequestPlan, TokenBatch, TokenDelta
 from shared.protocol.movequery import ChunkName
 from shared.protocol.tasks import choice_request_id
@@ -294,7 +294,7 @@ class RouterCore:
             prompt_token_ids=prompt.token_ids,
             sampling=sampling,
             deadline_unix_s=time.time() + (deadline - time.monotonic()),
-            session_id=prompt.request.session_id,
+            session_id=session_key(prompt.request.session_id, salt),
             kv=planned.kv,
             ttft_slo_s=(prompt.request.ttft_slo_ms or self.config.ttft_slo_ms) / 1000,
             itl_slo_s=(prompt.request.itl_slo_ms or self.config.itl_slo_ms) / 1000,

@@ -44,7 +44,7 @@ from services.router.streams import StreamTable
 from shared import telemetry
 from shared.bus import Bus
 from shared.errors import DeadlineExceededError, NoEngineAvailableError, OverloadedError, error_from_code
-from shared.protocol import COMPUTE_RATE, KvPlan, Message, RequestPlan
+from shared.protocol import COMPUTE_RATE, Message, RequestPlan
 from shared.protocol.tasks import BufferRef, DecodeTask, PrefillTask
 
 R = TypeVar("R", bound=Message)
@@ -297,7 +297,7 @@ class DisaggregatedDispatch(Dispatch):
             metrics.TTFT_STAGE.labels("schedule").observe(placed - started)
             read_side = placement.read_side.value if placement.read_side is not None else ""
             hits = kv.num_hit_blocks if read_side else 0
-            plan.kv = KvPlan(block_hashes=kv.block_hashes, num_hit_blocks=hits, read_side=read_side)
+            plan.kv = kv.with_hits(hits, read_side)
             log.debug(
                 "placed request_id=%s pe=%s de=%s read_side=%s",
                 plan.request_id, placement.pe_id, placement.de_id, read_side or "none",

@@ -70,7 +70,7 @@ async def send_local(
 ) -> dict[str, float]:
     """The decode engine prefills the turn itself (from its resident KV, or `stored_blocks` of storage;
     `read_side` "pool": of the pool, storage below it)."""
-    plan.kv = KvPlan(block_hashes=plan.kv.block_hashes, num_hit_blocks=stored_blocks, read_side=read_side)
+    plan.kv = plan.kv.with_hits(stored_blocks, read_side)
     ack = await ask(dispatch, de, GenerateTask(plan=plan), deadline)
     raise_refusal(ack, "session engine refused the turn")
     dispatch.engines.note_assigned(de, plan.num_prompt_tokens, kv_tokens=kv_need(plan))
@@ -82,7 +82,7 @@ async def take_turn(
 ) -> BufferRef:
     """The DE reserves the buffer its PE writes into (`de_kv`; None: no hits, it keeps what it holds)."""
     pe, de = pair
-    plan.kv = de_kv if de_kv is not None else KvPlan(block_hashes=plan.kv.block_hashes)
+    plan.kv = de_kv if de_kv is not None else plan.kv.with_hits()
     de_ack = await ask(dispatch, de, DecodeTask(plan=plan, pe_id=pe), deadline)
     raise_refusal(de_ack, "decode engine refused the turn")
     if de_ack.buffer is None:

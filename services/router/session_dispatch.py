@@ -234,10 +234,8 @@ class SessionDispatch(Dispatch):
         turn = TurnPrefill(history, plan.num_prompt_tokens - history, kept, stored, 1.0, 1.0)
         source, _, tokens = remote_history(turn, self.costs(), self.params.ampd.data_link)
         if source not in (SOURCE_HBM, SOURCE_STORAGE):
-            return KvPlan(block_hashes=plan.kv.block_hashes)
-        return KvPlan(
-            block_hashes=plan.kv.block_hashes, num_hit_blocks=tokens // block_size, read_side=source
-        )
+            return plan.kv.with_hits()
+        return plan.kv.with_hits(tokens // block_size, source)
 
     def _started(
         self, plan: RequestPlan, de: str, turn: TurnPrefill, decision: RouteDecision, started: float

@@ -65,6 +65,11 @@ class KvPlan(Message):
     salt: int = 0  # the chain's salt (shared.hashing.kv_salt: tenant and cache_salt); 0: unsalted
     held: HeldPrefix | None = None  # the prompt starts with a chunk another engine holds (movequery.py)
 
+    def with_hits(self, num_hit_blocks: int = 0, read_side: str = "") -> KvPlan:
+        """The same prompt's plan loading `num_hit_blocks` from `read_side`: its hashes, salt and held prefix
+        kept (a plan rebuilt from the hashes alone loses the salt, and the engine rejects the chain)."""
+        return dataclasses.replace(self, num_hit_blocks=num_hit_blocks, read_side=read_side)
+
     def check(self) -> None:
         if self.num_hit_blocks > len(self.block_hashes):
             raise ValueError(f"num_hit_blocks {self.num_hit_blocks} > {len(self.block_hashes)} block hashes")

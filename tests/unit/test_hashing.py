@@ -19,6 +19,7 @@ from shared.hashing import (
     kv_salt,
     model_fingerprint,
     next_block_hash,
+    session_key,
 )
 
 FP = model_fingerprint("llama", dtype="float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
@@ -112,3 +113,13 @@ def test_a_salt_moves_the_whole_chain_and_only_its_root() -> None:
     root = chain_root(fingerprint_seed("fp"), kv_salt("team-a", ""))
     assert block_parents(salted, "fp", kv_salt("team-a", ""))[0] == root
     assert salted[0] == next_block_hash(root, tokens[:16])  # the engines extend a salted chain the same way
+
+
+def test_a_session_is_scoped_by_the_chain_salt() -> None:
+    """Two tenants (or two cache_salts) naming the same session get two sessions; the client's string is
+    not what the bus carries; no session stays no session."""
+    a, b = kv_salt("team-a", ""), kv_salt("team-b", "")
+    keys = {session_key("s1", a), session_key("s1", b), session_key("s1", 0), session_key("s2", a)}
+    assert len(keys) == 4 and session_key("s1", a) == session_key("s1", a)
+    assert all("s1" not in k and len(k) == 32 for k in keys)
+    assert session_key("", a) == ""

@@ -149,7 +149,7 @@ def test_on_prefill_decode_engines_only_the_paths_of_the_decode_engines_are_plan
 
 
 def test_the_history_of_a_remote_plan_is_what_the_decode_engine_kept_or_storage() -> None:
-    hashes = list(range(8))
+    hashes = KvPlan(block_hashes=list(range(8)))
     kept = remote_history(hashes, Source.HBM, 6, 7, kept_blocks=8)
     assert (kept.num_hit_blocks, kept.read_side) == (7, "hbm")  # never more than a prefill may skip
     gone = remote_history(hashes, Source.HBM, 6, 7, kept_blocks=0)  # planned hbm, the session's KV is gone

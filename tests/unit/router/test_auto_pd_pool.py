@@ -47,7 +47,7 @@ def test_pooled_blocks_are_the_longest_pool_prefix_never_more_than_a_prefill_may
 
 
 def test_a_pool_plan_reads_the_pool_first_and_storage_below_it() -> None:
-    hashes = list(range(8))
+    hashes = KvPlan(block_hashes=list(range(8)), salt=77)
     local = tier_plan(hashes, Source.POOL, stored=3, pooled=5)
     assert (local.num_hit_blocks, local.read_side) == (5, "pool")
     below = tier_plan(hashes, Source.POOL, stored=6, pooled=2)  # storage holds more: it serves the rest
@@ -62,6 +62,8 @@ def test_a_pool_plan_reads_the_pool_first_and_storage_below_it() -> None:
     )  # the PE reads the pool, whatever was kept
     gone = remote_history(hashes, Source.POOL, 3, 7, kept_blocks=0, pooled=0)  # the pool lost it: storage
     assert (gone.num_hit_blocks, gone.read_side) == (3, "pe")
+    # every plan keeps the request's chain salt (a tenant's or cache_salt's): the engines check the chain
+    assert {p.salt for p in (local, below, stored, remote, gone)} == {77}
 
 
 def test_the_pool_read_side_is_in_the_protocol_and_others_are_refused() -> None:
