@@ -27,6 +27,7 @@ from nats.js.kv import KeyValue
 
 from shared import telemetry
 from shared.bus_auth import NatsAuth, redact_url
+from shared.bus_epochs import DEFAULT_GRACE_S, ConnectionEpochs
 from shared.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -77,6 +78,7 @@ class Bus:
         request_timeout_s: float = 5.0,
         auth: NatsAuth | None = None,
         jetstream_replicas: int = 1,
+        lost_reply_grace_s: float = DEFAULT_GRACE_S,
     ) -> None:
         self.url = url
         self.auth = auth or NatsAuth()
@@ -90,6 +92,7 @@ class Bus:
         self._tasks: set[asyncio.Task[None]] = set()
         self.is_connected = asyncio.Event()
         self._is_closing = False  # our own close: the disconnect it causes is no news
+        self._epochs = ConnectionEpochs(lost_reply_grace_s)  # requests a disconnect may have orphaned
 
     # ------------------------------------------------------------------------------------ connection
 
@@ -101,6 +104,7 @@ class Bus:
         async def on_disconnected() -> None:
             self.is_connected.clear()
             if not self._is_closing:
+                self._epochs.disconnected()
                 log.warning("bus disconnected name=%s", self.name)
 
         async def on_reconnected() -> None:
@@ -205,9 +209,10 @@ class Bus:
         timeout = self.request_timeout_s if timeout_s is None else timeout_s
         telemetry.BUS_MESSAGES.labels("out", _kind_of(subject, self.subjects.prefix)).inc()
         try:
-            reply = await self.nc.request(
+            sent = self.nc.request(
                 subject, encode(msg), timeout=timeout, headers=telemetry.inject_headers(headers)
             )
+            reply = await self._epochs.reply(subject, sent)
         except nats.errors.NoRespondersError:
             raise ServiceUnavailableError(f"no service answers on {subject}") from None
         except nats.errors.MaxPayloadError:

@@ -360,4 +360,8 @@ def metrics_text(registry: CollectorRegistry = DEFAULT_REGISTRY, service_kind: s
 BUS_MESSAGES = Counter(
     "kvpath_bus_messages_total", "Bus messages by direction (in/out) and subject kind", ["direction", "kind"]
 )
-BUS_ERRORS = Counter("kvpath_bus_errors_total", "Bus errors by kind (malformed, handler, timeout)", ["kind"])
+BUS_ERRORS = Counter(
+    "kvpath_bus_errors_total",
+    "Bus errors by kind (malformed, handler, timeout, lost: a request given up after a disconnect)",
+    ["kind"],
+)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from pathlib import Path
 
 import nats.js.errors
 import pytest
@@ -151,3 +153,48 @@ async def test_a_registry_write_waits_out_a_stream_without_a_leader(
     with pytest.raises(nats.js.errors.NoStreamResponseError):  # past the settle time: the error, not a hang
         await registry.put(ServiceInfo(service_id="router-1", service_kind="router"), settle_s=0.0)
     await bus.close()
+
+
+async def test_a_request_in_flight_when_the_server_dies_fails_soon_not_at_its_deadline(
+    tmp_path: Path, namespace: str
+) -> None:
+    """Core NATS request/reply is at most once: a request whose server dies before it is answered may never
+    be. It fails as unavailable the grace after the disconnect (10 s by default; 0.5 s here) instead of
+    waiting out its timeout (a KV read's is the whole request's, 600 s), and the bus serves again after the
+    reconnect. Without the grace this request waited its full 60 s."""
+    server = NatsServer(store_dir=str(tmp_path / "nats")).start()
+    srv = Bus(server.url, namespace, name="srv")
+    cli = Bus(server.url, namespace, name="cli", lost_reply_grace_s=0.5)
+    received, release = asyncio.Event(), asyncio.Event()
+
+    async def answers_late(msg: Abort, ctx: MsgContext) -> Ack:
+        received.set()
+        await release.wait()  # the request is in flight: its server dies now
+        return Ack(detail=msg.request_id)
+
+    try:
+        await srv.connect()
+        await cli.connect()
+        await srv.subscribe(srv.subjects.abort, Abort, answers_late, max_concurrency=4)
+        await srv.flush()
+        started = time.monotonic()
+        pending = asyncio.create_task(
+            cli.request(srv.subjects.abort, Abort(request_id="r"), Ack, timeout_s=60)
+        )
+        await asyncio.wait_for(received.wait(), 10)
+        server.kill()
+        server.start()
+        with pytest.raises(ServiceUnavailableError, match="connection dropped"):
+            await asyncio.wait_for(pending, 30)
+        assert time.monotonic() - started < 30
+        release.set()
+        for bus in (srv, cli):
+            await asyncio.wait_for(bus.is_connected.wait(), 15)
+        await srv.flush()
+        reply = await cli.request(srv.subjects.abort, Abort(request_id="after"), Ack, timeout_s=10)
+        assert reply.detail == "after"  # a request of the new connection is not given up
+    finally:
+        release.set()
+        await srv.close()
+        await cli.close()
+        server.stop()
