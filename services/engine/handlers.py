@@ -13,7 +13,7 @@ from services.engine.core import EngineCore
 from shared import logs, telemetry
 from shared.bus import MsgContext
 from shared.errors import InvalidRequestError
-from shared.protocol import Abort, TaskAck
+from shared.protocol import Abort, TaskAck, TokenBatch, TokenResend
 from shared.protocol.tasks import PullHits, PullHitsReply, Task
 
 log = logging.getLogger(__name__)
@@ -48,3 +48,8 @@ class EngineHandlers:
 
     async def abort(self, msg: Abort, ctx: MsgContext) -> None:
         self.core.abort(msg.request_id, msg.reason or "abort")
+
+    async def resend(self, msg: TokenResend, ctx: MsgContext) -> TokenBatch:
+        """The deltas of a request the router is missing (a token batch NATS lost), as they were sent."""
+        deltas = self.core.outbox.resend(msg.request_id, msg.from_seq)
+        return TokenBatch(engine_id=self.core.outbox.engine_id, step=self.core.step_count, deltas=deltas)

@@ -3,12 +3,17 @@
 A request's last delta may have to wait for its connector (blocks durable and indexed, the DONE notice to a
 decode engine): the wait travels with the delta, which a background task publishes once the wait ends, so
 the step loop never blocks on it. `close` gives those tasks a bounded time to finish.
+
+Core NATS delivers at most once: a batch published across a server restart can be lost. The outbox keeps
+what it sent of each request until the request has been quiet for `RETAIN_S`, and `resend` gives it again to
+a router that saw a gap or a silence in the stream (`TokenResend`); the router drops what it already has.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+import time
+from collections import OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -21,6 +26,7 @@ Publish = Callable[[str, TokenBatch], Awaitable[None]]
 Outgoing = tuple[str, TokenDelta, Awaitable[None] | None]  # (router id, delta, what it waits for)
 
 CLOSE_WAIT_S = 5.0
+RETAIN_S = 30.0  # a request's sent deltas are kept this long after its last one, for resends
 
 
 class TokenOutbox:
@@ -29,6 +35,23 @@ class TokenOutbox:
         self.publish = publish
         self.step = 0
         self._background = Background()
+        self._sent: OrderedDict[str, list[TokenDelta]] = OrderedDict()  # request id -> deltas, quietest first
+        self._sent_at: dict[str, float] = {}  # request id -> when its last delta was sent (monotonic)
+
+    def resend(self, request_id: str, from_seq: int) -> list[TokenDelta]:
+        """The request's deltas from `from_seq` on, as sent (none when it is unknown or quiet too long)."""
+        return [d for d in self._sent.get(request_id, ()) if d.seq >= from_seq]
+
+    def _keep(self, deltas: list[TokenDelta]) -> None:
+        now = time.monotonic()
+        for delta in deltas:
+            sent = self._sent.setdefault(delta.request_id, [])
+            sent.append(delta)
+            self._sent.move_to_end(delta.request_id)
+            self._sent_at[delta.request_id] = now
+        while self._sent and now - self._sent_at[next(iter(self._sent))] > RETAIN_S:
+            request_id, _ = self._sent.popitem(last=False)
+            del self._sent_at[request_id]
 
     def run_detached(self, wait: Awaitable[None] | None) -> None:
         """A wait whose delta is never sent (nobody expects one) still runs to completion."""
@@ -47,6 +70,7 @@ class TokenOutbox:
 
     async def _publish(self, router_id: str, deltas: list[TokenDelta]) -> None:
         batch = TokenBatch(engine_id=self.engine_id, step=self.step, deltas=deltas)
+        self._keep(deltas)
         try:
             await self.publish(router_id, batch)
         except Exception as exc:  # the router notices the gap or the silence

@@ -15,7 +15,7 @@ from services.engine.core import EngineCore
 from services.engine.handlers import EngineHandlers
 from services.engine.warmup import seed_prefill_rates
 from shared.blocks import BlockLayout
-from shared.protocol import Abort, LoadReport, ServiceInfo, TokenBatch
+from shared.protocol import Abort, LoadReport, ServiceInfo, TokenBatch, TokenResend
 from shared.protocol.tasks import PullHits
 from shared.service import Service
 
@@ -69,6 +69,7 @@ class EngineService(Service):
                 subjects.transfer(self.service_id), PullHits, handlers.pull, max_concurrency=256
             )
         await self.bus.subscribe(subjects.abort, Abort, handlers.abort)
+        await self.bus.subscribe(subjects.resend(self.service_id), TokenResend, handlers.resend)
         holder = getattr(self.connector, "holder", None)
         if holder is not None:
             await self.bus.subscribe(

@@ -37,6 +37,10 @@ ENGINE_FAILURES = Counter(
     "Requests failed because their engine died, went silent or lost tokens",
     ["reason"],
 )
+TOKENS_RESENT = Counter(
+    "kvpath_router_tokens_resent_total",
+    "Token deltas an engine sent again: the router saw a gap or a silence in a stream (NATS lost a batch)",
+)
 REDISPATCHED = Counter(
     "kvpath_router_requests_redispatched_total",
     "Requests dispatched again because an engine serving them was lost before their first token",

@@ -16,6 +16,7 @@ from services.router.api import ApiContext, add_api_routes, body_limit_middlewar
 from services.router.auth import ApiKeys
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
+from services.router.resend import StreamResends
 from shared import telemetry
 from shared.protocol import ServiceInfo
 from shared.service import Service
@@ -39,6 +40,7 @@ class RouterService(Service):
         self.model_name = config.served_model_name or self.spec.name
         # the KV format (fingerprint, block size) comes from the engines' load reports, never from here
         self.core = RouterCore(config, self.bus, self.service_id)
+        self.resends = StreamResends(self.bus, self.core.streams, config.stream_probe_s, self.spawn)
 
     def new_app(self) -> web.Application:
         keys = ApiKeys.load(self.config.api_keys, self.config.api_key_file)
@@ -79,6 +81,7 @@ class RouterService(Service):
         period = min(0.5, self.config.engine_silence_timeout_s / 3)
         while True:
             await asyncio.sleep(period)
+            self.resends.tick(time.monotonic())  # token batches NATS lost, before their gaps expire
             self.core.fail_silent_engines()
 
     async def on_drain(self, deadline: float) -> None:

@@ -37,6 +37,8 @@ class RequestStream:
     choice_ids: list[str] = field(default_factory=list)  # choice 0's: the other choices of its one task
     task_ids: list[str] = field(default_factory=list)  # the engines' ids of it, the live attempt's last
     lost_engine: str = ""  # the engine whose death or restart failed the stream (`fail_engine`)
+    progress_at: float = field(default_factory=time.monotonic)  # opened, or its last delta delivered
+    probed_at: float = 0.0  # its engines were last asked to send its deltas again (resend.py)
 
     def put_error(self, error: KvpathError) -> None:
         if not self.is_finished:
@@ -142,6 +144,7 @@ class StreamTable:
 
     def _push(self, stream: RequestStream, delta: TokenDelta, engine_id: str) -> int:
         stream.next_seq += 1
+        stream.progress_at = time.monotonic()
         if delta.handoff:  # the PE is done with the request: with every choice of it (a DE forks them)
             for request_id in [delta.request_id, *stream.choice_ids]:
                 self.unassign(request_id, engine_id)
@@ -149,6 +152,24 @@ class StreamTable:
             stream.is_finished = True
         stream.queue.put_nowait(delta)
         return 1
+
+    def to_probe(self, now: float, *, gap_s: float, silent_s: float) -> list[tuple[str, int, list[str]]]:
+        """(task id, the delta it expects, its engines) of each open stream whose engines are asked to send
+        its deltas again (a batch NATS lost): a gap older than `gap_s`, or no delta for `silent_s`; each
+        stream at most once per that time."""
+        due = []
+        for stream in self._streams.values():
+            if stream.is_finished or not stream.engine_ids:
+                continue
+            if stream.held:
+                since = max(min(stream.held.items())[1][2], stream.probed_at)
+                is_due = now - since > gap_s
+            else:
+                is_due = now - max(stream.progress_at, stream.probed_at) > silent_s
+            if is_due:
+                stream.probed_at = now
+                due.append((stream.task_ids[-1], stream.next_seq, sorted(stream.engine_ids)))
+        return due
 
     def expire_gaps(self, now: float, window_s: float) -> int:
         """Fail streams whose missing delta did not arrive within `window_s` of a later one (lost)."""

@@ -14,6 +14,7 @@ from shared.protocol.messages import (
     ServiceInfo,
     TokenBatch,
     TokenDelta,
+    TokenResend,
 )
 from shared.protocol.subjects import Subjects, check_token
 from shared.protocol.tasks import GenerateTask, KvPlan, RequestPlan, TaskAck
@@ -38,6 +39,7 @@ __all__ = [
     "TaskAck",
     "TokenBatch",
     "TokenDelta",
+    "TokenResend",
     "check_token",
     "decode",
     "encode",

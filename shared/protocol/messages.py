@@ -260,6 +260,18 @@ class TokenBatch(Message):
 
 
 @message
+class TokenResend(Message):
+    """Router -> engine (`resend.<engine>`, request/reply): the deltas of a request from `from_seq` on, as
+    the engine sent them (a `TokenBatch` reply, empty when it keeps none): core NATS may lose a token batch
+    (a server restart), and the router asks again when a stream has a gap or falls silent."""
+
+    KIND = "token_resend"
+    RANGES = {"from_seq": (0, None)}
+    request_id: str
+    from_seq: int = 0
+
+
+@message
 class Abort(Message):
     """Cancel a request everywhere (client gone, deadline passed, stop string seen)."""
 

@@ -47,6 +47,10 @@ class Subjects:
     def tokens(self, router_id: str) -> str:
         return f"{self.prefix}.tokens.{check_token(router_id)}"
 
+    # -- token resends: request/reply, router -> engine (a token batch NATS lost)
+    def resend(self, engine_id: str) -> str:
+        return f"{self.prefix}.resend.{check_token(engine_id)}"
+
     # -- aborts: publish, anyone -> every engine
     @property
     def abort(self) -> str:

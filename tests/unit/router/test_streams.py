@@ -128,3 +128,22 @@ def test_a_silent_engine_fails_each_stream_once() -> None:
     table.restart("r1", "r1-lost1")
     table.assign("r1-lost1", "pe")  # the new attempt went to it again
     assert table.fail_engine("pe", EngineFailedError("silent")) == 1
+
+
+def test_streams_with_a_gap_or_a_silence_are_probed_once_per_period() -> None:
+    """What the router asks engines to resend (a token batch NATS lost): a gap past `gap_s`, a stream with no
+    delta for `silent_s` (its last deltas, maybe its finish, lost); each at most once per period; never a
+    finished stream or one no engine serves yet."""
+    table = StreamTable()
+    gap, quiet, done = table.open("gap", "e1"), table.open("quiet", "e2"), table.open("done", "e1")
+    table.open("unassigned")
+    table.deliver(batch(d("gap", 0, 1), d("gap", 2, 3), d("done", 0, 1, finish="stop")), now=100.0)
+    gap.progress_at = quiet.progress_at = done.progress_at = 100.0
+    assert table.to_probe(100.2, gap_s=0.5, silent_s=5.0) == []  # a reordering may still close the gap
+    assert table.to_probe(100.6, gap_s=0.5, silent_s=5.0) == [("gap", 1, ["e1"])]
+    assert table.to_probe(100.8, gap_s=0.5, silent_s=5.0) == []  # asked already
+    assert table.to_probe(105.2, gap_s=0.5, silent_s=5.0) == [("gap", 1, ["e1"]), ("quiet", 0, ["e2"])]
+    table.deliver(batch(d("gap", 1, 2)), now=105.3)  # the resent delta closes the gap
+    got = [gap.queue.get_nowait() for _ in range(gap.queue.qsize())]
+    assert [x.token_ids for x in got if isinstance(x, TokenDelta)] == [[1], [2], [3]]
+    assert table.to_probe(106.0, gap_s=0.5, silent_s=5.0) == []
