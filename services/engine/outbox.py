@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -27,6 +27,7 @@ Outgoing = tuple[str, TokenDelta, Awaitable[None] | None]  # (router id, delta, 
 
 CLOSE_WAIT_S = 5.0
 RETAIN_S = 30.0  # a request's sent deltas are kept this long after its last one, for resends
+RETAIN_DELTAS = 512  # and at most its last this many (a NATS outage loses seconds of steps, not thousands)
 
 
 class TokenOutbox:
@@ -35,7 +36,7 @@ class TokenOutbox:
         self.publish = publish
         self.step = 0
         self._background = Background()
-        self._sent: OrderedDict[str, list[TokenDelta]] = OrderedDict()  # request id -> deltas, quietest first
+        self._sent: OrderedDict[str, deque[TokenDelta]] = OrderedDict()  # request id -> deltas, quietest 1st
         self._sent_at: dict[str, float] = {}  # request id -> when its last delta was sent (monotonic)
 
     def resend(self, request_id: str, from_seq: int) -> list[TokenDelta]:
@@ -45,7 +46,9 @@ class TokenOutbox:
     def _keep(self, deltas: list[TokenDelta]) -> None:
         now = time.monotonic()
         for delta in deltas:
-            sent = self._sent.setdefault(delta.request_id, [])
+            sent = self._sent.get(delta.request_id)
+            if sent is None:
+                sent = self._sent[delta.request_id] = deque(maxlen=RETAIN_DELTAS)
             sent.append(delta)
             self._sent.move_to_end(delta.request_id)
             self._sent_at[delta.request_id] = now

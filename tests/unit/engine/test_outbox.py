@@ -38,3 +38,15 @@ async def test_sent_deltas_are_resent_from_any_seq_and_forgotten_once_quiet(
     await out.flush([("router-0", delta("r2", 2), None)])
     assert out.resend("r1", 0) == []  # quiet past RETAIN_S: forgotten
     assert [x.seq for x in out.resend("r2", 0)] == [0, 1, 2]
+
+
+async def test_a_long_request_keeps_only_its_last_deltas() -> None:
+    async def publish(router_id: str, batch: TokenBatch) -> None:
+        pass
+
+    out = TokenOutbox("e1", publish)
+    n = outbox_module.RETAIN_DELTAS + 10
+    for seq in range(n):
+        await out.flush([("router-0", delta("r1", seq), None)])
+    kept = out.resend("r1", 0)
+    assert len(kept) == outbox_module.RETAIN_DELTAS and kept[0].seq == 10 and kept[-1].seq == n - 1
