@@ -5,8 +5,9 @@ decode engine): the wait travels with the delta, which a background task publish
 the step loop never blocks on it. `close` gives those tasks a bounded time to finish.
 
 Core NATS delivers at most once: a batch published across a server restart can be lost. The outbox keeps
-what it sent of each request until the request has been quiet for `RETAIN_S`, and `resend` gives it again to
-a router that saw a gap or a silence in the stream (`TokenResend`); the router drops what it already has.
+what it sent of each request in the last `RETAIN_S` (an outage's worth: the router asks once its connection
+is back, and a fast engine sends hundreds of deltas a second meanwhile), and `resend` gives it again to a
+router that saw a gap or a silence in the stream (`TokenResend`); the router drops what it already has.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ Publish = Callable[[str, TokenBatch], Awaitable[None]]
 Outgoing = tuple[str, TokenDelta, Awaitable[None] | None]  # (router id, delta, what it waits for)
 
 CLOSE_WAIT_S = 5.0
-RETAIN_S = 30.0  # a request's sent deltas are kept this long after its last one, for resends
-RETAIN_DELTAS = 512  # and at most its last this many (a NATS outage loses seconds of steps, not thousands)
+RETAIN_S = 15.0  # a request's deltas are kept this long after they were sent, for resends
+RETAIN_DELTAS = 4096  # and at most its last this many (~0.4 KB each), whatever the step rate
 
 
 class TokenOutbox:
@@ -36,12 +37,12 @@ class TokenOutbox:
         self.publish = publish
         self.step = 0
         self._background = Background()
-        self._sent: OrderedDict[str, deque[TokenDelta]] = OrderedDict()  # request id -> deltas, quietest 1st
-        self._sent_at: dict[str, float] = {}  # request id -> when its last delta was sent (monotonic)
+        # request id -> (when sent (monotonic), delta), oldest first; requests quietest first
+        self._sent: OrderedDict[str, deque[tuple[float, TokenDelta]]] = OrderedDict()
 
     def resend(self, request_id: str, from_seq: int) -> list[TokenDelta]:
         """The request's deltas from `from_seq` on, as sent (none when it is unknown or quiet too long)."""
-        return [d for d in self._sent.get(request_id, ()) if d.seq >= from_seq]
+        return [d for _, d in self._sent.get(request_id, ()) if d.seq >= from_seq]
 
     def _keep(self, deltas: list[TokenDelta]) -> None:
         now = time.monotonic()
@@ -49,12 +50,12 @@ class TokenOutbox:
             sent = self._sent.get(delta.request_id)
             if sent is None:
                 sent = self._sent[delta.request_id] = deque(maxlen=RETAIN_DELTAS)
-            sent.append(delta)
+            sent.append((now, delta))
+            while now - sent[0][0] > RETAIN_S:
+                sent.popleft()
             self._sent.move_to_end(delta.request_id)
-            self._sent_at[delta.request_id] = now
-        while self._sent and now - self._sent_at[next(iter(self._sent))] > RETAIN_S:
-            request_id, _ = self._sent.popitem(last=False)
-            del self._sent_at[request_id]
+        while self._sent and now - next(iter(self._sent.values()))[-1][0] > RETAIN_S:
+            self._sent.popitem(last=False)
 
     def run_detached(self, wait: Awaitable[None] | None) -> None:
         """A wait whose delta is never sent (nobody expects one) still runs to completion."""

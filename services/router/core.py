@@ -27,6 +27,7 @@ from services.router.engines import EngineTable
 from services.router.kv_plan import KvPlanner
 from services.router.prompts import PreparedPrompt, sampling_params
 from services.router.redispatch import Redispatch
+from services.router.resend import RESEND_TIMEOUT_S
 from services.router.stops import StopMatcher
 from services.router.streams import RequestStream, StreamTable
 from shared import logs, telemetry
@@ -106,7 +107,7 @@ class RouterCore:
     def fail_silent_engines(self) -> int:
         """Fail the streams of engines whose load reports stopped, and streams with a token gap that did not
         close in time (a lost message); return how many streams failed."""
-        failed = self.streams.expire_gaps(time.monotonic(), REORDER_WINDOW_S)
+        failed = self.streams.expire_gaps(time.monotonic(), REORDER_WINDOW_S, ask_wait_s=RESEND_TIMEOUT_S)
         if failed:
             metrics.ENGINE_FAILURES.labels("token_gap").inc(failed)
         for engine_id in self.streams.engines_with_streams():

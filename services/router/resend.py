@@ -63,6 +63,8 @@ class StreamResends:
         except KvpathError as exc:  # the engine is gone or busy: the gap expires, or silence fails it
             log.debug("token resend failed request_id=%s engine=%s: %s", task_id, engine_id, exc.message)
             return
+        finally:
+            self.streams.answered(task_id)
         if batch.deltas:
             delivered = self.streams.deliver(batch, time.monotonic())
             metrics.TOKENS_RESENT.inc(delivered)

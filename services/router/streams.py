@@ -39,6 +39,7 @@ class RequestStream:
     lost_engine: str = ""  # the engine whose death or restart failed the stream (`fail_engine`)
     progress_at: float = field(default_factory=time.monotonic)  # opened, or its last delta delivered
     probed_at: float = 0.0  # its engines were last asked to send its deltas again (resend.py)
+    asks: int = 0  # of those asks, how many are unanswered yet
 
     def put_error(self, error: KvpathError) -> None:
         if not self.is_finished:
@@ -156,10 +157,10 @@ class StreamTable:
     def to_probe(self, now: float, *, gap_s: float, silent_s: float) -> list[tuple[str, int, list[str]]]:
         """(task id, the delta it expects, its engines) of each open stream whose engines are asked to send
         its deltas again (a batch NATS lost): a gap older than `gap_s`, or no delta for `silent_s`; each
-        stream at most once per that time."""
+        stream at most once per that time, and not while it waits for an answer (`answered`)."""
         due = []
         for stream in self._streams.values():
-            if stream.is_finished or not stream.engine_ids:
+            if stream.is_finished or not stream.engine_ids or stream.asks:
                 continue
             if stream.held:
                 since = max(min(stream.held.items())[1][2], stream.probed_at)
@@ -168,17 +169,25 @@ class StreamTable:
                 is_due = now - max(stream.progress_at, stream.probed_at) > silent_s
             if is_due:
                 stream.probed_at = now
+                stream.asks = len(stream.engine_ids)
                 due.append((stream.task_ids[-1], stream.next_seq, sorted(stream.engine_ids)))
         return due
 
-    def expire_gaps(self, now: float, window_s: float) -> int:
-        """Fail streams whose missing delta did not arrive within `window_s` of a later one (lost)."""
+    def answered(self, task_id: str) -> None:
+        """One engine answered (or failed to answer) an ask `to_probe` gave out for the stream."""
+        stream = self._streams.get(self._by_task.get(task_id, task_id))
+        if stream is not None and stream.asks:
+            stream.asks -= 1
+
+    def expire_gaps(self, now: float, window_s: float, ask_wait_s: float = 0.0) -> int:
+        """Fail streams whose missing delta did not arrive within `window_s` of a later one (lost); one whose
+        engines are being asked for it gets up to `ask_wait_s` more for their answer."""
         failed = 0
         for stream in self._streams.values():
             if not stream.held or stream.is_finished:
                 continue
             seq, (_, engine_id, held_at) = min(stream.held.items())
-            if now - held_at > window_s:
+            if now - held_at > window_s + (ask_wait_s if stream.asks else 0.0):
                 log.warning(
                     "token gap request_id=%s expected=%d got=%d engine=%s",
                     stream.request_id,

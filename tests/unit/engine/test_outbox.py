@@ -37,7 +37,29 @@ async def test_sent_deltas_are_resent_from_any_seq_and_forgotten_once_quiet(
     clock[0] += 2
     await out.flush([("router-0", delta("r2", 2), None)])
     assert out.resend("r1", 0) == []  # quiet past RETAIN_S: forgotten
-    assert [x.seq for x in out.resend("r2", 0)] == [0, 1, 2]
+    assert [x.seq for x in out.resend("r2", 0)] == [1, 2]  # its delta 0 too: sent RETAIN_S + 1 ago
+
+
+async def test_an_outages_worth_of_deltas_is_kept_and_older_ones_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fast engine sends hundreds of deltas a second while the router is cut off: the one the router
+    misses first must still be there when it asks, seconds later (a count of 512 lost it in CI)."""
+
+    async def publish(router_id: str, batch: TokenBatch) -> None:
+        pass
+
+    clock = [1000.0]
+    monkeypatch.setattr(outbox_module.time, "monotonic", lambda: clock[0])
+    out = TokenOutbox("e1", publish)
+    for seq in range(3000):  # 300 steps/s for 10 s
+        await out.flush([("router-0", delta("r1", seq), None)])
+        clock[0] += 1 / 300
+    assert [x.seq for x in out.resend("r1", 20)] == list(range(20, 3000))
+    clock[0] += outbox_module.RETAIN_S - 5
+    await out.flush([("router-0", delta("r1", 3000), None)])
+    kept = out.resend("r1", 0)  # those sent more than RETAIN_S ago are gone, the rest kept
+    assert 1000 < kept[0].seq < 2000 and kept[-1].seq == 3000
 
 
 async def test_a_long_request_keeps_only_its_last_deltas() -> None:

@@ -142,8 +142,29 @@ def test_streams_with_a_gap_or_a_silence_are_probed_once_per_period() -> None:
     assert table.to_probe(100.2, gap_s=0.5, silent_s=5.0) == []  # a reordering may still close the gap
     assert table.to_probe(100.6, gap_s=0.5, silent_s=5.0) == [("gap", 1, ["e1"])]
     assert table.to_probe(100.8, gap_s=0.5, silent_s=5.0) == []  # asked already
+    assert table.to_probe(101.2, gap_s=0.5, silent_s=5.0) == []  # e1 has not answered yet
+    table.answered("gap")
     assert table.to_probe(105.2, gap_s=0.5, silent_s=5.0) == [("gap", 1, ["e1"]), ("quiet", 0, ["e2"])]
     table.deliver(batch(d("gap", 1, 2)), now=105.3)  # the resent delta closes the gap
     got = [gap.queue.get_nowait() for _ in range(gap.queue.qsize())]
     assert [x.token_ids for x in got if isinstance(x, TokenDelta)] == [[1], [2], [3]]
     assert table.to_probe(106.0, gap_s=0.5, silent_s=5.0) == []
+
+
+def test_a_gap_whose_engines_are_being_asked_waits_for_their_answer() -> None:
+    """The gap window (2 s) may end while an ask for the missing delta is in flight to a busy engine: the gap
+    then waits up to `ask_wait_s` more for the answer, and expires as before once the engines answered
+    without it (CI saw a stream fail with its delta on the way)."""
+    table = StreamTable()
+    asked, idle = table.open("asked", "e1"), table.open("idle", "e1")
+    table.deliver(batch(d("asked", 1, 2), d("idle", 1, 2)), now=100.0)
+    asked.progress_at = idle.progress_at = 100.0
+    assert [t for t, _, _ in table.to_probe(100.6, gap_s=0.5, silent_s=5.0)] == ["asked", "idle"]
+    table.answered("idle")  # e1 answered without idle's delta 0
+    assert table.expire_gaps(now=102.5, window_s=2.0, ask_wait_s=2.0) == 1
+    assert idle.is_finished and not asked.is_finished
+    assert table.expire_gaps(now=103.9, window_s=2.0, ask_wait_s=2.0) == 0
+    table.answered("asked")
+    table.answered("asked")  # one answer too many (never below zero)
+    assert asked.asks == 0
+    assert table.expire_gaps(now=104.0, window_s=2.0, ask_wait_s=2.0) == 1
