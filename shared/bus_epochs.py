@@ -23,6 +23,11 @@ T = TypeVar("T")
 DEFAULT_GRACE_S = 10.0  # a reconnect takes ~0.5-2 s (nats-py's wait between attempts is 0.5 s)
 
 
+class ReplyLostError(ServiceUnavailableError):
+    """The request may have arrived and been acted on; its reply did not come back (the connection dropped).
+    Unlike "no service answers" (nobody received it), a caller must not assume the request was not done."""
+
+
 class ConnectionEpochs:
     """One future per connection epoch, resolved `grace_s` after the disconnect that ends it."""
 
@@ -52,7 +57,7 @@ class ConnectionEpochs:
                 pending.cancel()
         if given_up:
             telemetry.BUS_ERRORS.labels("lost").inc()
-            raise ServiceUnavailableError(
+            raise ReplyLostError(
                 f"no reply on {subject}: the NATS connection dropped while the request was in flight"
                 f" (given up {self.grace_s:.0f} s after)"
             )

@@ -2,11 +2,16 @@
 
 Task handlers run with the request id bound for logs and the router's trace context current, so the tasks
 they start (prefix fetch, DE-side read) log and trace as part of the request.
+
+A task's ack may be lost (a nats-server restart, an engine stalled past the router's ack timeout); a router
+that sees this engine report again sends the same task once more (`Dispatch.send_task`). The engine keeps
+the acks of the last tasks it took and answers such a repeat with the same ack, without running it twice.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 
 from services.engine.core import EngineCore
@@ -18,13 +23,20 @@ from shared.protocol.tasks import PullHits, PullHitsReply, Task
 
 log = logging.getLogger(__name__)
 
+TAKEN_ACKS = 4096  # the acks of the last this many tasks taken are kept for repeats
+
 
 class EngineHandlers:
     def __init__(self, core: EngineCore, on_admitted: Callable[[], None]) -> None:
         self.core = core
         self.on_admitted = on_admitted  # the engine's load changed: report it now
+        self._taken: OrderedDict[str, tuple[str, TaskAck]] = OrderedDict()  # request id -> (task kind, ack)
 
     async def task(self, task: Task, ctx: MsgContext) -> TaskAck:
+        taken = self._taken.get(task.request_id)
+        if taken is not None and taken[0] == task.KIND:
+            log.info("task taken already request_id=%s: its ack was lost, acked again", task.request_id)
+            return taken[1]
         parent = ctx.trace_parent
         with logs.request_context(task.request_id), telemetry.attached(parent):
             ack = self.core.submit(task, trace_parent=parent)
@@ -34,6 +46,9 @@ class EngineHandlers:
             else:
                 log.debug("task refused request_id=%s code=%s", task.request_id, ack.code)
         if ack.accepted:
+            self._taken[task.request_id] = (task.KIND, ack)
+            if len(self._taken) > TAKEN_ACKS:
+                self._taken.popitem(last=False)
             self.on_admitted()
         return ack
 

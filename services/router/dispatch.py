@@ -17,10 +17,12 @@ from typing import Any
 
 from services.policy.colocated import CACHE_AWARE, COLOCATED, pick_cache_aware, pick_least_loaded
 from services.policy.snapshot import ROLE_COLOCATED, EngineSnapshot
+from services.router import metrics
 from services.router.engines import EngineTable
 from services.router.streams import StreamTable
 from shared import telemetry
 from shared.bus import Bus
+from shared.bus_epochs import ReplyLostError
 from shared.errors import (
     ContextLengthExceededError,
     DeadlineExceededError,
@@ -31,6 +33,7 @@ from shared.errors import (
     error_from_code,
 )
 from shared.protocol import Abort, GenerateTask, RequestPlan, TaskAck, TokenBatch
+from shared.protocol.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +101,29 @@ class Dispatch(abc.ABC):
 
     def ack_timeout(self, deadline: float) -> float:
         return min(self.ack_timeout_s, max(0.01, deadline - time.monotonic()))
+
+    async def send_task(self, engine_id: str, task: Task, deadline: float) -> TaskAck:
+        """Send a task to an engine and wait for its ack (within the ack timeout and the request's deadline).
+
+        An ack that did not come back (its timeout passed, or the NATS connection dropped while it was in
+        flight) may be one the engine sent: a stalled engine, or a nats-server restart. If the engine reports
+        its load again within its silence timeout, it is alive and connected, and the same task goes to it
+        once more; an engine acks a task it took again (`EngineCore.submit`), so the lost ack costs neither
+        the request (it was a 503 with a single engine) nor a second run of it (another engine's, with the
+        same id, while the abort of the first may have been lost too)."""
+        subject = self.bus.subjects.task(engine_id)
+        try:
+            return await self.bus.request(subject, task, TaskAck, timeout_s=self.ack_timeout(deadline))
+        except (ReplyLostError, DeadlineExceededError) as exc:
+            wait = min(self.engines.silence_timeout_s, deadline - time.monotonic())
+            if wait <= 0 or not await self.engines.next_report(engine_id, wait):
+                raise
+            log.warning(
+                "task ack lost request_id=%s engine=%s (%s); the engine reports: sending the task again",
+                task.request_id, engine_id, exc.message,
+            )  # fmt: skip
+            metrics.TASKS_RESENT.inc()
+        return await self.bus.request(subject, task, TaskAck, timeout_s=self.ack_timeout(deadline))
 
 
 async def publish_abort(bus: Bus, request_id: str, reason: str) -> None:
@@ -167,12 +193,11 @@ class ColocatedDispatch(Dispatch):
             tried.add(engine_id)
             if self.held_routing is not None:
                 self.held_routing.apply(task.plan, engine_id, locality, self.held_primitive(task.plan))
-            subject = self.bus.subjects.task(engine_id)
             # counted at once, not at the ack: requests picked meanwhile see this one (else a burst all
             # lands on the engine that sorts first)
             self.engines.note_assigned(engine_id, task.plan.num_prompt_tokens)
             try:
-                ack = await self.bus.request(subject, task, TaskAck, timeout_s=self.ack_timeout(deadline))
+                ack = await self.send_task(engine_id, task, deadline)
             except (ServiceUnavailableError, DeadlineExceededError) as exc:
                 self.engines.note_unassigned(engine_id, task.plan.num_prompt_tokens)
                 log.warning("task not acked request_id=%s engine=%s: %s", task.request_id, engine_id, exc)

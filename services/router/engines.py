@@ -13,6 +13,7 @@ hashes prompts with the adopted format, so its hashes and the engines' always ag
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -72,6 +73,23 @@ class EngineTable:
         self._changed: dict[str, None] = {}  # services changed since `load_table` last looked (in order)
         self.has_left = False  # a service left or moved since then: `load_table` rebuilds
         self._sync = TableSync()
+        self._report_waiters: dict[str, list[asyncio.Future[None]]] = {}  # `next_report`
+
+    async def next_report(self, service_id: str, timeout_s: float) -> bool:
+        """Whether the service reports its load within `timeout_s` from now (it is alive and connected)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._report_waiters.setdefault(service_id, []).append(waiter)
+        try:
+            await asyncio.wait_for(waiter, max(0.0, timeout_s))
+        except TimeoutError:
+            return False
+        finally:
+            waiters = self._report_waiters.get(service_id, [])
+            if waiter in waiters:
+                waiters.remove(waiter)
+            if not waiters:
+                self._report_waiters.pop(service_id, None)
+        return True
 
     def update(self, report: LoadReport, now: float) -> None:
         current = self._engines.get(report.service_id)
@@ -94,6 +112,9 @@ class EngineTable:
         self._engines[report.service_id] = state
         self._changed[report.service_id] = None
         self._sync.note_report_time(now)
+        for waiter in self._report_waiters.pop(report.service_id, ()):
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _forget(self, service_id: str) -> None:
         state = self._engines.pop(service_id, None)

@@ -41,6 +41,10 @@ TOKENS_RESENT = Counter(
     "kvpath_router_tokens_resent_total",
     "Token deltas an engine sent again: the router saw a gap or a silence in a stream (NATS lost a batch)",
 )
+TASKS_RESENT = Counter(
+    "kvpath_router_tasks_resent_total",
+    "Tasks sent again to the same engine: their ack was lost (timeout, NATS disconnect), the engine lives",
+)
 REDISPATCHED = Counter(
     "kvpath_router_requests_redispatched_total",
     "Requests dispatched again because an engine serving them was lost before their first token",

@@ -20,18 +20,15 @@ from services.router.dispatch import Dispatch, publish_abort
 from services.router.streams import StreamTable
 from shared.blocks import max_hit_blocks
 from shared.errors import KvpathError, error_from_code
-from shared.protocol import GenerateTask, KvPlan, Message, RequestPlan, TaskAck
-from shared.protocol.tasks import BufferRef, DecodeTask, PrefillTask
+from shared.protocol import GenerateTask, KvPlan, RequestPlan, TaskAck
+from shared.protocol.tasks import BufferRef, DecodeTask, PrefillTask, Task
 
 HistoryPlan = Callable[[int], KvPlan]  # the decode engine's kept blocks -> the prefill engine's KV plan
 
 
-async def ask(dispatch: Dispatch, engine_id: str, task: Message, deadline: float) -> TaskAck:
-    """Send a task to an engine and wait for its ack (within the ack timeout and the request's deadline)."""
-    bus = dispatch.bus
-    return await bus.request(
-        bus.subjects.task(engine_id), task, TaskAck, timeout_s=dispatch.ack_timeout(deadline)
-    )
+async def ask(dispatch: Dispatch, engine_id: str, task: Task, deadline: float) -> TaskAck:
+    """Send a task to an engine and wait for its ack (`Dispatch.send_task`: a lost ack is asked again)."""
+    return await dispatch.send_task(engine_id, task, deadline)
 
 
 def raise_refusal(ack: TaskAck, what: str) -> None:

@@ -3,6 +3,7 @@ refused (it never reaches a snapshot, so no request goes to it)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from services.router.engines import EngineTable
@@ -77,3 +78,20 @@ def test_a_suspect_engine_is_out_of_every_decision_until_it_reports_again() -> N
     assert table.suspect("a")
     table.update(report("a", F32, seq=1), now=now + 0.2)  # restarted: a new process, not the lost one
     assert ids(table) == {"a", "b"}
+
+
+async def test_next_report_waits_for_that_engines_next_report_only() -> None:
+    """`next_report` (a lost task ack is sent again once its engine reports): True on that engine's next
+    report, not another's and not a stale one; False when none comes in time; no waiter is left behind."""
+    table = EngineTable(silence_timeout_s=3.0)
+    table.update(report("a", BF16, seq=5), now=time.monotonic())
+    waiting = asyncio.ensure_future(table.next_report("a", 5.0))
+    await asyncio.sleep(0)  # the wait is registered
+    table.update(report("b", BF16), now=time.monotonic())
+    table.update(report("a", BF16, seq=4), now=time.monotonic())  # stale: dropped
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    table.update(report("a", BF16, seq=6), now=time.monotonic())
+    assert await asyncio.wait_for(waiting, 1.0) is True
+    assert await table.next_report("a", 0.01) is False
+    assert not table._report_waiters
