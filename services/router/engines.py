@@ -74,6 +74,25 @@ class EngineTable:
         self.has_left = False  # a service left or moved since then: `load_table` rebuilds
         self._sync = TableSync()
         self._report_waiters: dict[str, list[asyncio.Future[None]]] = {}  # `next_report`
+        self.bus_down_since: float | None = None  # `bus_down`: the router's bus carries nothing since then
+
+    def bus_down(self, now: float) -> None:
+        """The router's bus stopped carrying messages (disconnected, or its server does not answer a ping):
+        until `bus_up`, an engine's silence is the bus's, not the engine's (`silent` names none)."""
+        if self.bus_down_since is None:
+            self.bus_down_since = now
+            log.warning("bus down: engines' silence is not counted until it is back")
+
+    def bus_up(self, now: float) -> None:
+        """The bus carries messages again: every engine counts as heard now (their reports of the outage were
+        lost or are still on their way), so one that died meanwhile is silent a full timeout later."""
+        if self.bus_down_since is None:
+            return
+        log.warning("bus back after %.1f s: engines' silence counts again", now - self.bus_down_since)
+        self.bus_down_since = None
+        for state in self._engines.values():
+            state.received_at = max(state.received_at, now)
+        self.has_left = True  # the placement table rebuilds with every engine back in it
 
     async def next_report(self, service_id: str, timeout_s: float) -> bool:
         """Whether the service reports its load within `timeout_s` from now (it is alive and connected)."""
@@ -228,7 +247,9 @@ class EngineTable:
         return max((st.report.total_kv_blocks for st in self.live(now, roles=(role,))), default=0)
 
     def silent(self, now: float) -> list[str]:
-        """Services whose reports stopped: they are dead or cut off."""
+        """Services whose reports stopped while the bus worked: they are dead or cut off."""
+        if self.bus_down_since is not None:
+            return []
         return [sid for sid, st in self._engines.items() if now - st.received_at > self.silence_timeout_s]
 
     def get(self, service_id: str) -> EngineState | None:

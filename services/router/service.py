@@ -14,6 +14,7 @@ from gpu.grammar import GrammarCompiler
 from services.router import handlers
 from services.router.api import ApiContext, add_api_routes, body_limit_middleware
 from services.router.auth import ApiKeys
+from services.router.bus_probe import BusProbe
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
 from services.router.resend import StreamResends
@@ -41,6 +42,7 @@ class RouterService(Service):
         # the KV format (fingerprint, block size) comes from the engines' load reports, never from here
         self.core = RouterCore(config, self.bus, self.service_id)
         self.resends = StreamResends(self.bus, self.core.streams, config.stream_probe_s, self.spawn)
+        self.bus_probe = BusProbe(self.bus, self.service_id)
 
     def new_app(self) -> web.Application:
         keys = ApiKeys.load(self.config.api_keys, self.config.api_key_file)
@@ -74,6 +76,7 @@ class RouterService(Service):
             subjects.tokens(self.service_id), handlers.token_batch_handler(self.core)
         )
         await self.bus.subscribe_raw(subjects.load_all, handlers.load_report_handler(self.core))
+        await self.bus_probe.start()
         self.spawn(self._watch_engines(), "watch-engines")
         self.spawn(self.core.dispatch.run(), "dispatch")
 
@@ -81,8 +84,17 @@ class RouterService(Service):
         period = min(0.5, self.config.engine_silence_timeout_s / 3)
         while True:
             await asyncio.sleep(period)
+            await self._check_bus(timeout_s=period)
             self.resends.tick(time.monotonic())  # token batches NATS lost, before their gaps expire
             self.core.fail_silent_engines()
+
+    async def _check_bus(self, timeout_s: float) -> None:
+        """A bus that carries nothing (`bus_probe.py`) puts the engines' silence on hold, else every stream
+        of every engine would fail as the engines' deaths, while they decode on."""
+        if await self.bus_probe.round_trip(timeout_s):
+            self.core.engines.bus_up(time.monotonic())
+        else:
+            self.core.engines.bus_down(time.monotonic())
 
     async def on_drain(self, deadline: float) -> None:
         # stop taking requests (health turns 503), let open streams finish

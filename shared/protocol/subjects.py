@@ -51,6 +51,10 @@ class Subjects:
     def resend(self, engine_id: str) -> str:
         return f"{self.prefix}.resend.{check_token(engine_id)}"
 
+    # -- bus probe: publish, a service to itself through the nats-server (is the bus carrying messages?)
+    def ping(self, service_id: str) -> str:
+        return f"{self.prefix}.ping.{check_token(service_id)}"
+
     # -- aborts: publish, anyone -> every engine
     @property
     def abort(self) -> str:

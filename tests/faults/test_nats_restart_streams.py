@@ -46,7 +46,14 @@ async def _stream(
     return tokens
 
 
-async def test_streams_survive_a_nats_server_restart(tmp_path: Path) -> None:
+STALL_S = 5.0  # a nats-server frozen this long (SIGSTOP): past the router's engine silence timeout (3 s)
+
+
+@pytest.mark.parametrize("fault", ["restart", "stall"])
+async def test_streams_survive_a_nats_server_restart(tmp_path: Path, fault: str) -> None:
+    """`restart`: SIGKILLed, `kvpath up` restarts it. `stall`: stopped for STALL_S, then continued (a frozen
+    server or a partition: no connection drops, nothing moves): before, the router took the silence of every
+    engine for their deaths and failed every stream, though the engines had decoded on."""
     up = UpProcess(tmp_path, "--router-arg=--stream-probe-s=1")
     try:
         prompts = [[(i * 13 + j * 7) % 250 + 3 for j in range(40)] for i in range(STREAMS)]
@@ -58,11 +65,19 @@ async def test_streams_survive_a_nats_server_restart(tmp_path: Path) -> None:
             ]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
             assert not any(s.done() for s in streams), "streams too short to meet the fault"
-            os.kill(up.supervisor_state()["nats-server"]["pid"], signal.SIGKILL)
+            nats_pid = up.supervisor_state()["nats-server"]["pid"]
+            if fault == "restart":
+                os.kill(nats_pid, signal.SIGKILL)
+            else:
+                os.kill(nats_pid, signal.SIGSTOP)
+                try:
+                    await asyncio.sleep(STALL_S)  # the fault's length, not a wait for a condition
+                finally:
+                    os.kill(nats_pid, signal.SIGCONT)
             got = await asyncio.gather(*streams)
             async with http.get(f"{up.url}/metrics") as resp:
                 metrics = await resp.text()
-        assert up.supervisor_state()["nats-server"]["restarts"] == 1
+        assert up.supervisor_state()["nats-server"]["restarts"] == (1 if fault == "restart" else 0)
         assert [len(t) for t in got] == [TOKENS] * STREAMS
         assert got == reference
         failures = re.findall(r"^kvpath_router_engine_failures_total\{.*\} ([0-9.]+)$", metrics, re.M)

@@ -95,3 +95,22 @@ async def test_next_report_waits_for_that_engines_next_report_only() -> None:
     assert await asyncio.wait_for(waiting, 1.0) is True
     assert await table.next_report("a", 0.01) is False
     assert not table._report_waiters
+
+
+def test_an_engines_silence_while_the_bus_is_down_is_not_its_death() -> None:
+    """A bus that carries nothing silences every engine at once (a frozen nats-server): while it is down no
+    engine is silent; once it is back each gets a full silence timeout again, and one that stays silent is
+    silent then (it died meanwhile)."""
+    table = EngineTable(silence_timeout_s=3.0)
+    table.update(report("a", BF16, seq=1), now=100.0)
+    table.update(report("b", BF16, seq=1), now=100.0)
+    table.bus_down(101.0)
+    table.bus_down(102.0)  # still the same outage
+    assert table.bus_down_since == 101.0
+    assert table.silent(now=108.0) == []
+    table.bus_up(108.0)
+    table.bus_up(108.5)  # up already: nothing moves
+    assert table.silent(now=110.0) == []
+    assert {e.engine_id for e in table.engine_snapshots(64, now=110.0)} == {"a", "b"}  # live for placement
+    table.update(report("a", BF16, seq=2), now=110.5)
+    assert table.silent(now=111.2) == ["b"]
