@@ -84,13 +84,15 @@ class RouterService(Service):
         period = min(0.5, self.config.engine_silence_timeout_s / 3)
         while True:
             await asyncio.sleep(period)
-            await self._check_bus(timeout_s=period)
+            await self._check_bus(timeout_s=self.config.engine_silence_timeout_s / 3)
             self.resends.tick(time.monotonic())  # token batches NATS lost, before their gaps expire
             self.core.fail_silent_engines()
 
     async def _check_bus(self, timeout_s: float) -> None:
         """A bus that carries nothing (`bus_probe.py`) puts the engines' silence on hold, else every stream
-        of every engine would fail as the engines' deaths, while they decode on."""
+        of every engine would fail as the engines' deaths, while they decode on. A third of the silence
+        timeout, after a period of at most another third: an outage is noticed before any engine's silence
+        is, and a loaded router's late echo is not taken for one."""
         if await self.bus_probe.round_trip(timeout_s):
             self.core.engines.bus_up(time.monotonic())
         else:
