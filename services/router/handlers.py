@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ import orjson
 from nats.aio.msg import Msg
 
 from services.router.core import RouterCore
+from services.router.orphans import OrphanAborts
 from shared import telemetry
 from shared.errors import ProtocolError
 from shared.protocol import LoadReport, TokenBatch, TokenDelta, decode, from_dict
@@ -17,7 +19,7 @@ from shared.protocol import LoadReport, TokenBatch, TokenDelta, decode, from_dic
 log = logging.getLogger(__name__)
 
 
-def token_batch_handler(core: RouterCore) -> Callable[[Msg], Awaitable[None]]:
+def token_batch_handler(core: RouterCore, orphans: OrphanAborts) -> Callable[[Msg], Awaitable[None]]:
     async def on_tokens(msg: Msg) -> None:
         try:
             batch = decode_token_batch(msg.data)
@@ -26,6 +28,9 @@ def token_batch_handler(core: RouterCore) -> Callable[[Msg], Awaitable[None]]:
             log.warning("malformed token batch subject=%s: %s", msg.subject, exc.message)
             return
         core.on_token_batch(batch)
+        if core.streams.unknown:
+            unknown, core.streams.unknown = core.streams.unknown, set()
+            await orphans.abort(unknown, time.monotonic())
 
     return on_tokens
 

@@ -45,6 +45,10 @@ TASKS_RESENT = Counter(
     "kvpath_router_tasks_resent_total",
     "Tasks sent again to the same engine: their ack was lost (timeout, NATS disconnect), the engine lives",
 )
+ORPHANS_ABORTED = Counter(
+    "kvpath_router_orphans_aborted_total",
+    "Aborts of requests engines ran for this router that it did not know (a restarted router's old ones)",
+)
 REDISPATCHED = Counter(
     "kvpath_router_requests_redispatched_total",
     "Requests dispatched again because an engine serving them was lost before their first token",

@@ -17,6 +17,7 @@ from services.router.auth import ApiKeys
 from services.router.bus_probe import BusProbe
 from services.router.config import RouterConfig
 from services.router.core import RouterCore
+from services.router.orphans import OrphanAborts
 from services.router.resend import StreamResends
 from shared import telemetry
 from shared.protocol import ServiceInfo
@@ -73,7 +74,7 @@ class RouterService(Service):
     async def on_start(self) -> None:
         subjects = self.bus.subjects
         await self.bus.subscribe_raw(
-            subjects.tokens(self.service_id), handlers.token_batch_handler(self.core)
+            subjects.tokens(self.service_id), handlers.token_batch_handler(self.core, OrphanAborts(self.bus))
         )
         await self.bus.subscribe_raw(subjects.load_all, handlers.load_report_handler(self.core))
         await self.bus_probe.start()

@@ -54,6 +54,7 @@ class StreamTable:
         self._streams: dict[str, RequestStream] = {}
         self._by_engine: dict[str, set[str]] = defaultdict(set)
         self._by_task: dict[str, str] = {}  # a retried attempt's id -> its request's id
+        self.unknown: set[str] = set()  # ids of unfinished deltas no stream took (`orphans.py` aborts them)
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -130,7 +131,11 @@ class StreamTable:
         delivered = 0
         for delta in batch.deltas:
             stream = self._streams.get(self._by_task.get(delta.request_id, delta.request_id))
-            if stream is None or stream.is_finished or delta.seq < stream.next_seq:
+            if stream is None:
+                if delta.finish_reason is None:
+                    self.unknown.add(delta.request_id)
+                continue
+            if stream.is_finished or delta.seq < stream.next_seq:
                 continue  # aborted, failed, or a duplicate: dropped
             if delta.request_id != stream.task_ids[-1]:
                 continue  # an attempt the dispatch gave up on

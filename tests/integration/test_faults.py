@@ -23,6 +23,8 @@ from shared.protocol import (
     decode,
 )
 from tests.cluster import Stack, wait_ready
+from tests.integration.test_ampd import metric
+from tests.integration.test_api import engine_idle, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -207,3 +209,30 @@ async def test_tokens_are_coalesced_per_engine_step(stack: tuple[Stack, Bus]) ->
     # one message per engine step, not per token: far fewer messages than tokens
     assert len(batches) <= total / 3, (len(batches), total)
     assert max(len(b.deltas) for b in batches) >= n_streams // 2
+
+
+async def test_a_restarted_routers_orphaned_requests_are_aborted(stack: tuple[Stack, Bus]) -> None:
+    """The router dies mid-stream and a new process comes back under its id (as `kvpath up` or a Kubernetes
+    pod restarts it): the request the old process had sent out has no client any more, and the engine, which
+    kept decoding it, is told to stop on its next token batch instead of decoding to `max_tokens` (here 8,000
+    tokens, ~10 s on this CPU, holding KV and a batch slot the new router's requests need)."""
+    s, bus = stack
+    args = ("--http-port", "0", "--no-use-kv-cache")
+    router = s.start("router", "router-0", *args)
+    s.start("engine", "engine-0", "--no-persist-kv", "--no-load-kv")
+    ready = await wait_ready(bus, {"router-0", "engine-0"}, s.procs)
+    engine_url = ready["engine-0"].http_url
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 8000, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        async with http.post(f"{ready['router-0'].http_url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            await resp.content.readuntil(b"\n\n")
+            router.kill()
+        s.start("router", "router-0", *args)  # the same id: the engine's deltas now reach this process
+        again = await wait_ready(bus, {"router-0"}, s.procs)
+        await wait_until(lambda: engine_idle(http, engine_url), timeout_s=8)
+        finished = await metric(http, engine_url, "kvpath_engine_requests_finished_total")
+        aborted = await metric(http, engine_url, "kvpath_engine_requests_finished_total", 'reason="abort"')
+        orphans = await metric(http, again["router-0"].http_url, "kvpath_router_orphans_aborted_total")
+    assert (finished, aborted) == (1, 1)  # stopped, not decoded to its end
+    assert orphans >= 1

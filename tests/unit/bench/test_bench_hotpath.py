@@ -20,6 +20,7 @@ from services.router import handlers
 from services.router.config import RouterConfig
 from services.router.core import Piece, RouterCore, Usage
 from services.router.handlers import decode_token_batch
+from services.router.orphans import OrphanAborts
 from services.router.prompts import PreparedPrompt
 from services.router.render import RenderOptions, ResponseRenderer
 from services.router.requests import GenerationRequest
@@ -144,7 +145,9 @@ async def test_a_stream_waiting_for_tokens_still_ends_at_its_deadline(
     await bus.connect()
     try:
         core = RouterCore(RouterConfig(**common, request_deadline_s=0.6), bus, "router-t")
-        await bus.subscribe_raw(bus.subjects.tokens("router-t"), handlers.token_batch_handler(core))
+        await bus.subscribe_raw(
+            bus.subjects.tokens("router-t"), handlers.token_batch_handler(core, OrphanAborts(bus))
+        )
         await bus.subscribe_raw(bus.subjects.load_all, handlers.load_report_handler(core))
         await _until(lambda: bool(core.engines.engine_snapshots(64, ("colocated",))))
         tokenizer = load_tokenizer(load_model_spec("tiny", None).model_dir)
