@@ -3,8 +3,8 @@
 A router restarted under its id (`kvpath up` restarts a dead one; a Kubernetes pod keeps its name) receives
 the token deltas of the requests its previous process sent out. Their clients went with that process, yet
 the engines would decode each to its `max_tokens`, holding KV and batch slots the new process's requests
-need. A delta no open stream takes and that does not finish its request names such an orphan (or one the
-router dropped an instant before, whose abort is on its way); the router aborts it once per `REPEAT_S`.
+need. A delta that no stream open or recently closed here takes, and that does not finish its request, names
+such an orphan; the router aborts it, again if it is still heard of `REPEAT_S` later.
 """
 
 from __future__ import annotations
@@ -36,5 +36,5 @@ class OrphanAborts:
             self._aborted_at = {rid: at for rid, at in self._aborted_at.items() if now - at < REPEAT_S}
         if due:
             metrics.ORPHANS_ABORTED.inc(len(due))
-            log.info("aborted %d requests engines run for this router that it does not know", len(due))
+            log.info("aborted requests engines run for this router, unknown here: %s", " ".join(due[:8]))
         return len(due)

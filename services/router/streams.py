@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
 from shared.errors import EngineFailedError, KvpathError
@@ -23,6 +23,7 @@ from shared.protocol import TokenBatch, TokenDelta
 log = logging.getLogger(__name__)
 
 StreamItem = TokenDelta | KvpathError
+CLOSED_KEPT = 4096
 
 
 @dataclass(slots=True)
@@ -55,6 +56,7 @@ class StreamTable:
         self._by_engine: dict[str, set[str]] = defaultdict(set)
         self._by_task: dict[str, str] = {}  # a retried attempt's id -> its request's id
         self.unknown: set[str] = set()  # ids of unfinished deltas no stream took (`orphans.py` aborts them)
+        self._closed: OrderedDict[str, None] = OrderedDict()  # the last CLOSED_KEPT ids closed here
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -117,6 +119,10 @@ class StreamTable:
             self.unassign(request_id, engine_id)
         for task_id in stream.task_ids[1:]:
             del self._by_task[task_id]
+        for task_id in stream.task_ids:  # their late deltas are not orphans: the close aborted them
+            self._closed[task_id] = None
+        while len(self._closed) > CLOSED_KEPT:
+            self._closed.popitem(last=False)
         return stream.task_ids
 
     def get(self, request_id: str) -> RequestStream | None:
@@ -132,7 +138,7 @@ class StreamTable:
         for delta in batch.deltas:
             stream = self._streams.get(self._by_task.get(delta.request_id, delta.request_id))
             if stream is None:
-                if delta.finish_reason is None:
+                if delta.finish_reason is None and delta.request_id not in self._closed:
                     self.unknown.add(delta.request_id)
                 continue
             if stream.is_finished or delta.seq < stream.next_seq:

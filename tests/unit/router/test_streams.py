@@ -168,3 +168,17 @@ def test_a_gap_whose_engines_are_being_asked_waits_for_their_answer() -> None:
     table.answered("asked")  # one answer too many (never below zero)
     assert asked.asks == 0
     assert table.expire_gaps(now=104.0, window_s=2.0, ask_wait_s=2.0) == 1
+
+
+def test_deltas_no_stream_takes_name_orphans_unless_closed_here_or_finished() -> None:
+    """`unknown` (what `orphans.py` aborts): a delta of a request the router never opened (a restarted
+    router's previous process's) that does not finish it; not a late delta of a stream it closed (that
+    close aborted it already), not a finishing one (the engine is done with it)."""
+    table = StreamTable()
+    table.open("live", "e1")
+    table.open("closed", "e1")
+    table.close("closed")
+    table.deliver(
+        batch(d("live", 0, 1), d("closed", 3, 4), d("old", 7, 8), d("old-done", 9, 9, finish="stop"))
+    )
+    assert table.unknown == {"old"}
