@@ -23,7 +23,10 @@ class StorageConfig(BaseConfig):
     write_bandwidth_bytes_per_s: float = doc(0.0, "write budget (the NIC's other direction); 0: unlimited")
     burst_bytes: int = doc(0, "bytes the token buckets may send at once after an idle period")
     capacity_bytes: int = doc(
-        0, "bytes of block files this node may keep (LRU eviction beyond); 0: unlimited"
+        0, "bytes of block files this node may keep (LRU eviction beyond); 0: what the file system holds"
+    )
+    min_free_bytes: int = doc(
+        -1, "with capacity_bytes 0: free space kept on the file system (LRU eviction); -1: 5%, at most 1 GiB"
     )
     fsync_policy: str = doc(
         "file", "durability before a write is acknowledged: none | file (fsync data) | dir (and directory)"

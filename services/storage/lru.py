@@ -43,6 +43,11 @@ class LruCatalog:
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._entries
 
+    def size_of(self, key: BlockKey) -> int:
+        """Bytes accounted for `key` (0: not in the catalog)."""
+        entry = self._entries.get(key)
+        return entry.file_bytes if entry is not None else 0
+
     def add(self, key: BlockKey, file_bytes: int, now_s: float, parent: BlockKey | None = None) -> None:
         """Account for a file (or refresh it) as most recently used; `parent`: its chain's previous block."""
         old = self._entries.get(key)

@@ -41,6 +41,10 @@ BUFFER_USED_BYTES = Gauge(
 )
 BUFFER_LEASED_BYTES = Gauge("kvpath_storage_buffer_leased_bytes", "Node buffer bytes leased to engines")
 STORE_USED_BYTES = Gauge("kvpath_storage_store_used_bytes", "Bytes of block files this node accounts for")
+STORE_CAPACITY_BYTES = Gauge(
+    "kvpath_storage_store_capacity_bytes",
+    "Bytes of block files this node may keep: its capacity, or else its files plus the disk's free room",
+)
 
 
 def bind_queues(reader: Any, writer: Any) -> None:

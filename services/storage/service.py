@@ -152,6 +152,8 @@ class StorageService(Service):
                 c.max_blocks_per_request,
                 c.max_attached_segments,
                 is_shared_root=c.is_shared_root,
+                follows_disk=c.capacity_bytes == 0,
+                min_free_bytes=c.min_free_bytes,
             ),
             announce_stored=self.announce_stored,
             announce_removed=self.announce_removed,

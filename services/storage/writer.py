@@ -23,6 +23,7 @@ import numpy as np
 
 from services.storage import metrics
 from services.storage.block_store import HEADER_BYTES, BlockStore
+from services.storage.disk_room import disk_capacity
 from services.storage.lru import BlockKey, LruCatalog
 from services.storage.token_bucket import TokenBucket
 from shared.errors import InvalidRequestError, KvpathError, OverloadedError, StorageError, StorageFullError
@@ -43,6 +44,8 @@ class WriterLimits:
     max_blocks_per_request: int
     max_attached_segments: int
     is_shared_root: bool = False
+    follows_disk: bool = False  # no capacity configured: the file system's free room is it (`disk_room.py`)
+    min_free_bytes: int = -1  # then the free space kept on the file system (-1: the default)
 
 
 class SegmentCache:
@@ -310,6 +313,8 @@ class BlockWriter:
                 f"storage full: a {file_bytes} B block exceeds capacity {self.catalog.capacity_bytes}"
             )
         async with self._room_lock:
+            if self.limits.follows_disk:
+                await self._follow_disk()
             evicted = await self._evict_for(file_bytes * len(keys))
             free = self.catalog.free_bytes()
             n = len(keys) if free is None else min(len(keys), free // file_bytes)
@@ -321,6 +326,17 @@ class BlockWriter:
             metrics.EVICTIONS.inc(len(evicted))
             await self._announce_removed("evicted", evicted)
         return keys[:n]
+
+    async def _follow_disk(self) -> None:
+        """The catalog's capacity, from the file system's free space now (`disk_room.py`): its files on
+        disk (those reserved and not yet written take no space yet) plus the room beyond the reserve."""
+        unwritten = sum(self.catalog.size_of(key) for key in self._inflight)
+        on_disk = self.catalog.used_bytes - unwritten
+        loop = asyncio.get_running_loop()
+        self.catalog.capacity_bytes = await loop.run_in_executor(
+            self._executor, disk_capacity, self.store.root, on_disk, self.limits.min_free_bytes
+        )
+        metrics.STORE_CAPACITY_BYTES.set(self.catalog.capacity_bytes)
 
     async def _evict_for(self, file_bytes: int) -> list[int]:
         """Evict until `file_bytes` fit or nothing more can go (every entry pinned or a kept chain's)."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -220,3 +222,38 @@ async def test_storage_full_is_a_clear_write_error(tiny_fs: Path, cluster: Stora
     lease = await tiny.client.read("after-full", many, deadline_s=5.0)
     assert 0 < lease.num_blocks < 12
     await lease.release()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real file system of 512 KiB (tmpfs): a disk that fills up, as a misjudged volume does."""
+    root = tmp_path / "small"
+    root.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(root)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)
+
+
+async def test_without_a_capacity_a_full_disk_evicts_instead_of_failing_every_write(
+    cluster: StorageCluster, small_disk: Path
+) -> None:
+    """`capacity_bytes` 0 on a disk of ~25 block files: before, the 26th write failed as storage full and
+    every later one too, the first blocks kept forever; now the disk's free room (less `min_free_bytes`) is
+    the capacity, and new chains evict the least recently used ones, announced as BlockRemoved."""
+    node = await cluster.start(root=str(small_disk / "root"), min_free_bytes=64 * 1024)
+    chains = [chain(3, seed=100 + i) for i in range(16)]  # 48 blocks of 16 KiB into 512 KiB
+    for hashes, parents in chains:
+        await write_blocks(node.client, hashes, parents)
+    on_disk, _ = disk_blocks(small_disk / "root")
+    assert set(chains[-1][0]) <= on_disk and not set(chains[0][0]) & on_disk  # newest kept, oldest gone
+    assert catalog_keys(node.service.catalog) == on_disk
+    removed = [
+        h for e in await stream_events(node.client.bus) if isinstance(e, BlockRemoved) for h in e.block_hashes
+    ]
+    assert set(chains[0][0]) <= set(removed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.storage.disk_room import RESERVE_MAX_BYTES, reserve_bytes
 from services.storage.leases import Lease, LeaseTable
 from services.storage.lru import LruCatalog
 from services.storage.token_bucket import TokenBucket
@@ -83,3 +84,10 @@ def test_lease_table_release_expiry_and_per_request() -> None:
     assert [x.lease_id for x in table.pop_expired(4.0)] == ["c"]
     assert [x.lease_id for x in table.pop_request("r1")] == ["a"]
     assert len(table) == 0 and table.pop_expired(100.0) == [] and table.next_deadline_s() is None
+
+
+def test_the_free_space_a_store_without_capacity_keeps() -> None:
+    """`disk_room.reserve_bytes`: `min_free_bytes` as given; by default 5% of the disk, at most 1 GiB."""
+    assert reserve_bytes(100 << 20, -1) == 5 << 20
+    assert reserve_bytes(1 << 40, -1) == RESERVE_MAX_BYTES
+    assert reserve_bytes(1 << 40, 0) == 0 and reserve_bytes(1 << 20, 4096) == 4096
