@@ -108,7 +108,7 @@ class Dispatch(abc.ABC):
         An ack that did not come back (its timeout passed, or the NATS connection dropped while it was in
         flight) may be one the engine sent: a stalled engine, or a nats-server restart. If the engine reports
         its load again within its silence timeout, it is alive and connected, and the same task goes to it
-        once more; an engine acks a task it took again (`EngineCore.submit`), so the lost ack costs neither
+        once more; an engine acks a task it took again (`EngineHandlers.task`), so the lost ack costs neither
         the request (it was a 503 with a single engine) nor a second run of it (another engine's, with the
         same id, while the abort of the first may have been lost too)."""
         subject = self.bus.subjects.task(engine_id)
