@@ -19,7 +19,7 @@ reads the cost model (`ampd_costs.py`). Queues are (l_hist, l_incr) pairs of pre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.policy.ampd_costs import ROLE_DECODE, ROLE_PREFILL, STORAGE, CostModel
@@ -134,14 +134,31 @@ class DecodeOccupancy:
     is_draining: bool = False
 
 
-def bind_session(engines: Sequence[DecodeOccupancy]) -> str | None:
+def bind_session(
+    engines: Sequence[DecodeOccupancy], resident_tokens: Mapping[str, int] | None = None, need_tokens: int = 0
+) -> str | None:
     """The DE a new (or orphaned) session is bound to: lowest KV occupancy, then fewest running, then id;
-    None when no DE takes work."""
+    None when no DE takes work. A session the router holds no binding for whose KV is resident on a DE
+    (`resident_tokens` of its prompt per DE, the index's `hbm:<engine>`: the router restarted, or another
+    router replica bound it) goes back to the DE holding most of it, when that DE has room for the rest of
+    the turn (`need_tokens`: prompt and answer); else its turn would load or recompute what that DE holds."""
     live = [e for e in engines if not e.is_draining and e.total_kv_tokens > 0]
     if not live:
         return None
-    best = min(live, key=lambda e: (e.used_kv_tokens / e.total_kv_tokens, e.num_running, e.engine_id))
-    return best.engine_id
+    resident = resident_tokens or {}
+    holders = [
+        e
+        for e in live
+        if resident.get(e.engine_id, 0) > 0
+        and e.total_kv_tokens - e.used_kv_tokens >= need_tokens - resident[e.engine_id]
+    ]
+    if holders:
+        return min(holders, key=lambda e: (-resident[e.engine_id], _occupancy_key(e))).engine_id
+    return min(live, key=_occupancy_key).engine_id
+
+
+def _occupancy_key(e: DecodeOccupancy) -> tuple[float, int, str]:
+    return (e.used_kv_tokens / e.total_kv_tokens, e.num_running, e.engine_id)
 
 
 def policy_mode(policy: str, remote_pick: str = "rr") -> str:

@@ -76,7 +76,7 @@ SESSION_ROUTES = Counter(
 )
 SESSION_BINDS = Counter(
     "kvpath_router_session_binds_total",
-    "Sessions bound to a decode engine: new, or rebound (their engine died, refused or left)",
+    "Sessions bound to a decode engine: new, resident (unknown here, their KV on it), or rebound",
     ["reason"],
 )
 MOVEQUERY_CHOICES = Counter(
