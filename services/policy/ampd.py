@@ -135,23 +135,19 @@ class DecodeOccupancy:
 
 
 def bind_session(
-    engines: Sequence[DecodeOccupancy], resident_tokens: Mapping[str, int] | None = None, need_tokens: int = 0
+    engines: Sequence[DecodeOccupancy], resident_tokens: Mapping[str, int] | None = None
 ) -> str | None:
     """The DE a new (or orphaned) session is bound to: lowest KV occupancy, then fewest running, then id;
     None when no DE takes work. A session the router holds no binding for whose KV is resident on a DE
     (`resident_tokens` of its prompt per DE, the index's `hbm:<engine>`: the router restarted, or another
-    router replica bound it) goes back to the DE holding most of it, when that DE has room for the rest of
-    the turn (`need_tokens`: prompt and answer); else its turn would load or recompute what that DE holds."""
+    router replica bound it) goes back to the DE holding most of it, whatever its occupancy (idle sessions'
+    KV there is evictable, and the binding that put the session there balanced it): anywhere else the turn
+    would load or recompute what that DE holds."""
     live = [e for e in engines if not e.is_draining and e.total_kv_tokens > 0]
     if not live:
         return None
     resident = resident_tokens or {}
-    holders = [
-        e
-        for e in live
-        if resident.get(e.engine_id, 0) > 0
-        and e.total_kv_tokens - e.used_kv_tokens >= need_tokens - resident[e.engine_id]
-    ]
+    holders = [e for e in live if resident.get(e.engine_id, 0) > 0]
     if holders:
         return min(holders, key=lambda e: (-resident[e.engine_id], _occupancy_key(e))).engine_id
     return min(live, key=_occupancy_key).engine_id

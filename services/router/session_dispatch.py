@@ -55,7 +55,7 @@ from services.router.dispatch import (
 )
 from services.router.engines import EngineTable
 from services.router.measured_costs import measured_cost_model
-from services.router.pd_tasks import kv_need, prefill_turn, send_local, take_turn
+from services.router.pd_tasks import prefill_turn, send_local, take_turn
 from services.router.pd_tasks import stored_blocks as stored_count
 from services.router.room_queue import RoomQueue
 from services.router.sessions import Flight, FlightBook, SessionTable
@@ -114,7 +114,7 @@ class SessionDispatch(Dispatch):
         tried: set[str] = set()
         error: KvpathError | None = None
         for _ in range(MAX_DISPATCH_ATTEMPTS):
-            de = self._decode_engine(session, tried, plan, locality)
+            de = self._decode_engine(session, tried, locality)
             if de is None:
                 break
             turn = self._turn(plan, de, locality, stored_blocks)
@@ -172,9 +172,7 @@ class SessionDispatch(Dispatch):
     def on_load_report(self, engine_id: str) -> None:
         self.room.reported(engine_id)
 
-    def _decode_engine(
-        self, session: str, tried: set[str], plan: RequestPlan, locality: Mapping[str, int]
-    ) -> str | None:
+    def _decode_engine(self, session: str, tried: set[str], locality: Mapping[str, int]) -> str | None:
         """The session's live bound engine, or a new binding among the untried ones (`bind_session`: where
         its KV is resident, else the lowest occupancy)."""
         now = time.monotonic()
@@ -195,7 +193,7 @@ class SessionDispatch(Dispatch):
             if st.report.service_id not in tried
         ]
         resident = {e.engine_id: block_size * locality.get(f"hbm:{e.engine_id}", 0) for e in loads}
-        engine_id = bind_session(loads, resident, kv_need(plan))
+        engine_id = bind_session(loads, resident)
         if engine_id is not None:
             reason = "rebound" if bound is not None else "resident" if resident.get(engine_id) else "new"
             metrics.SESSION_BINDS.labels(reason).inc()

@@ -162,21 +162,20 @@ def test_binding_takes_the_lowest_occupancy_then_the_smallest_batch_then_the_id(
     assert bind_session([engines[3]]) is None
 
 
-def test_a_session_unknown_to_the_router_goes_back_where_its_kv_is_resident_if_there_is_room() -> None:
+def test_a_session_unknown_to_the_router_goes_back_where_its_kv_is_resident() -> None:
     """A restarted router (or another replica) holds no binding for the session: the DE the index lists
-    most of its prompt on takes it, though another is emptier, when its free KV covers the rest of the turn;
-    one without room (or a draining one) does not, and the lowest occupancy decides as for a new session."""
+    most of its prompt on takes it, though another is emptier; not a draining one; with none holding any of
+    it, the lowest occupancy decides as for a new session."""
     engines = [
         DecodeOccupancy("d0", used_kv_tokens=100, total_kv_tokens=1000, num_running=0),
         DecodeOccupancy("d1", used_kv_tokens=900, total_kv_tokens=1000, num_running=4),
         DecodeOccupancy("d2", used_kv_tokens=600, total_kv_tokens=1000, num_running=4),
     ]
-    assert bind_session(engines, {"d1": 640, "d2": 500}, need_tokens=700) == "d1"  # 100 free >= 700 - 640
-    assert bind_session(engines, {"d1": 640, "d2": 500}, need_tokens=800) == "d2"  # d1: 100 < 160
-    assert bind_session(engines, {"d1": 640}, need_tokens=800) == "d0"  # no holder has room
-    assert bind_session(engines, {"d1": 0, "d2": 0}, need_tokens=10) == "d0"
+    assert bind_session(engines, {"d1": 640, "d2": 500}) == "d1"
+    assert bind_session(engines, {"d1": 320, "d2": 320}) == "d2"  # a tie: the lower occupancy
+    assert bind_session(engines, {"d1": 0, "d2": 0}) == "d0"
     draining = [engines[0], DecodeOccupancy("d1", 700, 1000, 4, is_draining=True)]
-    assert bind_session(draining, {"d1": 640}, need_tokens=700) == "d0"
+    assert bind_session(draining, {"d1": 640}) == "d0"
 
 
 def test_the_baselines_route_every_prefill_the_same_way() -> None:
