@@ -19,6 +19,9 @@ PREFILL_BATCH_SIZE = Histogram(
 )
 PREFILL_TOKENS = Counter("kvpath_engine_prefill_tokens_total", "Prompt tokens computed (not loaded)")
 REQUESTS = Counter("kvpath_engine_requests_finished_total", "Finished requests by finish reason", ["reason"])
+ROUTER_GONE_ABORTS = Counter(
+    "kvpath_engine_router_gone_aborts_total", "Requests aborted as their router left the registry for good"
+)
 KV_BLOCKS_USED = Gauge("kvpath_engine_kv_blocks_used", "Paged KV cache blocks in use")
 KV_BLOCKS_TOTAL = Gauge("kvpath_engine_kv_blocks_total", "Paged KV cache blocks in all")
 RUNNING = Gauge("kvpath_engine_requests_running", "Sequences holding KV blocks")

@@ -13,6 +13,7 @@ from services.engine.config import EngineConfig, prompt_buffer_bytes
 from services.engine.connector import KvConnector, NullConnector
 from services.engine.core import EngineCore
 from services.engine.handlers import EngineHandlers
+from services.engine.router_watch import RouterWatch
 from services.engine.warmup import seed_prefill_rates
 from shared.blocks import BlockLayout
 from shared.protocol import Abort, LoadReport, ServiceInfo, TokenBatch, TokenResend
@@ -76,6 +77,8 @@ class EngineService(Service):
                 subjects.route(self.service_id), holder.message_types, holder.handle, max_concurrency=64
             )
         self.spawn(self.core.run(), "step-loop")
+        watch = RouterWatch(self.registry, self.core, self.config.registry_ttl_s)
+        self.spawn(watch.run(), "router-watch")
 
     async def _start_data_plane(self) -> None:
         from services.engine.peers import PeerPool

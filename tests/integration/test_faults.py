@@ -236,3 +236,27 @@ async def test_a_restarted_routers_orphaned_requests_are_aborted(stack: tuple[St
         orphans = await metric(http, again["router-0"].http_url, "kvpath_router_orphans_aborted_total")
     assert (finished, aborted) == (1, 1)  # stopped, not decoded to its end
     assert orphans >= 1
+
+
+async def test_a_router_gone_for_good_has_its_requests_aborted_by_the_engine(
+    stack: tuple[Stack, Bus],
+) -> None:
+    """The router dies and nothing restarts it under its id (a pod rescheduled under a new name): once its
+    registry entry has been gone for three looks, the engine aborts the request it was decoding for it
+    (8,000 tokens, ~10 s here) instead of decoding it to the end for nobody."""
+    s, bus = stack
+    ttl = ("--registry-ttl-s", "1.0", "--heartbeat-interval-s", "0.3")
+    router = s.start("router", "router-0", "--http-port", "0", "--no-use-kv-cache", *ttl)
+    s.start("engine", "engine-0", "--no-persist-kv", "--no-load-kv", *ttl)
+    ready = await wait_ready(bus, {"router-0", "engine-0"}, s.procs)
+    engine_url = ready["engine-0"].http_url
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 8000, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        async with http.post(f"{ready['router-0'].http_url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            await resp.content.readuntil(b"\n\n")
+            router.kill()
+        await wait_until(lambda: engine_idle(http, engine_url), timeout_s=8)
+        finished = await metric(http, engine_url, "kvpath_engine_requests_finished_total")
+        aborted = await metric(http, engine_url, "kvpath_engine_router_gone_aborts_total")
+    assert (finished, aborted) == (1, 1)
