@@ -211,52 +211,52 @@ async def test_tokens_are_coalesced_per_engine_step(stack: tuple[Stack, Bus]) ->
     assert max(len(b.deltas) for b in batches) >= n_streams // 2
 
 
-async def test_a_restarted_routers_orphaned_requests_are_aborted(stack: tuple[Stack, Bus]) -> None:
+ROUTER_DIES_ARGS = ("--http-port", "0", "--no-use-kv-cache")
+
+
+async def _router_killed_mid_stream(s: Stack, bus: Bus, http: aiohttp.ClientSession, *args: str) -> str:
+    """A router and an engine (`args` to both); a request of 8,000 tokens (~10 s here) streams, and the router
+    is SIGKILLed once its first event came; return the engine's URL."""
+    router = s.start("router", "router-0", *ROUTER_DIES_ARGS, *args)
+    s.start("engine", "engine-0", "--no-persist-kv", "--no-load-kv", *args)
+    ready = await wait_ready(bus, {"router-0", "engine-0"}, s.procs)
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 8000, "ignore_eos": True, "stream": True}
+    async with http.post(f"{ready['router-0'].http_url}/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n\n")
+        router.kill()
+    return ready["engine-0"].http_url
+
+
+async def test_a_restarted_routers_orphaned_requests_are_aborted(
+    stack: tuple[Stack, Bus], http: aiohttp.ClientSession
+) -> None:
     """The router dies mid-stream and a new process comes back under its id (as `kvpath up` or a Kubernetes
     pod restarts it): the request the old process had sent out has no client any more, and the engine, which
-    kept decoding it, is told to stop on its next token batch instead of decoding to `max_tokens` (here 8,000
-    tokens, ~10 s on this CPU, holding KV and a batch slot the new router's requests need)."""
+    kept decoding it, is told to stop on its next token batch instead of decoding to `max_tokens`, holding
+    KV and a batch slot the new router's requests need."""
     s, bus = stack
-    args = ("--http-port", "0", "--no-use-kv-cache")
-    router = s.start("router", "router-0", *args)
-    s.start("engine", "engine-0", "--no-persist-kv", "--no-load-kv")
-    ready = await wait_ready(bus, {"router-0", "engine-0"}, s.procs)
-    engine_url = ready["engine-0"].http_url
-    body = {"model": "tiny", "prompt": "x", "max_tokens": 8000, "ignore_eos": True, "stream": True}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-        async with http.post(f"{ready['router-0'].http_url}/v1/completions", json=body) as resp:
-            assert resp.status == 200
-            await resp.content.readuntil(b"\n\n")
-            router.kill()
-        s.start("router", "router-0", *args)  # the same id: the engine's deltas now reach this process
-        again = await wait_ready(bus, {"router-0"}, s.procs)
-        await wait_until(lambda: engine_idle(http, engine_url), timeout_s=8)
-        finished = await metric(http, engine_url, "kvpath_engine_requests_finished_total")
-        aborted = await metric(http, engine_url, "kvpath_engine_requests_finished_total", 'reason="abort"')
-        orphans = await metric(http, again["router-0"].http_url, "kvpath_router_orphans_aborted_total")
+    engine_url = await _router_killed_mid_stream(s, bus, http)
+    s.start("router", "router-0", *ROUTER_DIES_ARGS)  # the same id: the engine's deltas now reach it
+    again = await wait_ready(bus, {"router-0"}, s.procs)
+    await wait_until(lambda: engine_idle(http, engine_url), timeout_s=8)
+    finished = await metric(http, engine_url, "kvpath_engine_requests_finished_total")
+    aborted = await metric(http, engine_url, "kvpath_engine_requests_finished_total", 'reason="abort"')
+    orphans = await metric(http, again["router-0"].http_url, "kvpath_router_orphans_aborted_total")
     assert (finished, aborted) == (1, 1)  # stopped, not decoded to its end
     assert orphans >= 1
 
 
 async def test_a_router_gone_for_good_has_its_requests_aborted_by_the_engine(
-    stack: tuple[Stack, Bus],
+    stack: tuple[Stack, Bus], http: aiohttp.ClientSession
 ) -> None:
     """The router dies and nothing restarts it under its id (a pod rescheduled under a new name): once its
     registry entry has been gone for three looks, the engine aborts the request it was decoding for it
-    (8,000 tokens, ~10 s here) instead of decoding it to the end for nobody."""
+    instead of decoding it to the end for nobody."""
     s, bus = stack
     ttl = ("--registry-ttl-s", "1.0", "--heartbeat-interval-s", "0.3")
-    router = s.start("router", "router-0", "--http-port", "0", "--no-use-kv-cache", *ttl)
-    s.start("engine", "engine-0", "--no-persist-kv", "--no-load-kv", *ttl)
-    ready = await wait_ready(bus, {"router-0", "engine-0"}, s.procs)
-    engine_url = ready["engine-0"].http_url
-    body = {"model": "tiny", "prompt": "x", "max_tokens": 8000, "ignore_eos": True, "stream": True}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-        async with http.post(f"{ready['router-0'].http_url}/v1/completions", json=body) as resp:
-            assert resp.status == 200
-            await resp.content.readuntil(b"\n\n")
-            router.kill()
-        await wait_until(lambda: engine_idle(http, engine_url), timeout_s=8)
-        finished = await metric(http, engine_url, "kvpath_engine_requests_finished_total")
-        aborted = await metric(http, engine_url, "kvpath_engine_router_gone_aborts_total")
+    engine_url = await _router_killed_mid_stream(s, bus, http, *ttl)
+    await wait_until(lambda: engine_idle(http, engine_url), timeout_s=8)
+    finished = await metric(http, engine_url, "kvpath_engine_requests_finished_total")
+    aborted = await metric(http, engine_url, "kvpath_engine_router_gone_aborts_total")
     assert (finished, aborted) == (1, 1)
