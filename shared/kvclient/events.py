@@ -26,6 +26,7 @@ from shared.protocol.kv import (
 )
 
 _DUPLICATE_WINDOW_S = 120.0
+ELECTION_WAIT_S = 15.0  # how long an event waits out its replicated stream's leader election
 
 
 async def ensure_kv_events_stream(bus: Bus, *, max_bytes: int = -1) -> str:
@@ -99,17 +100,31 @@ class KvEventPublisher:
         return await self._publish(Cleared, locations=list(locations), reason=reason)
 
     async def _publish(self, kind: type[KvEvent], **fields: Any) -> int:
-        """Publish the next event of this source; return its stream sequence."""
+        """Publish the next event of this source; return its stream sequence.
+
+        A replicated stream answers "no response from stream" while its replicas elect a leader (a
+        clustered nats-server lost: ~6 s measured under load, every event of those seconds lost before).
+        The event is sent again until it is stored or `ELECTION_WAIT_S` passed: its `Nats-Msg-Id` makes the
+        server drop a copy it stored already, and later events of this source wait (the lock), in order."""
         async with self._lock:
             self._seq += 1
             event = kind(source=self.source, epoch=self.epoch, seq=self._seq, sent_at=time.time(), **fields)
             headers = {"Nats-Msg-Id": f"{self.source}:{self.epoch}:{self._seq}"}  # server-side dedupe
             try:
-                ack = await self.bus.js.publish(
-                    self.subject, encode(event), timeout=self.timeout_s, headers=headers
-                )
+                return await self._send(encode(event), headers, time.monotonic() + ELECTION_WAIT_S)
             except (nats.errors.TimeoutError, TimeoutError) as exc:
                 raise DeadlineExceededError(f"KV event not acknowledged on {self.subject}") from exc
             except (nats.errors.Error, nats.js.errors.Error) as exc:
                 raise ServiceUnavailableError(f"cannot publish KV event on {self.subject}: {exc!r}") from exc
-            return int(ack.seq)
+
+    async def _send(self, data: bytes, headers: dict[str, str], deadline: float) -> int:
+        delay = 0.02
+        while True:
+            try:
+                ack = await self.bus.js.publish(self.subject, data, timeout=self.timeout_s, headers=headers)
+                return int(ack.seq)
+            except nats.js.errors.NoStreamResponseError:
+                if time.monotonic() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 0.5)
