@@ -86,11 +86,11 @@ async def test_next_report_waits_for_that_engines_next_report_only() -> None:
     table = EngineTable(silence_timeout_s=3.0)
     table.update(report("a", BF16, seq=5), now=time.monotonic())
     waiting = asyncio.ensure_future(table.next_report("a", 5.0))
-    await asyncio.sleep(0)  # the wait is registered
+    await asyncio.sleep(0)  # one loop turn: the task runs up to its wait, which registers the waiter
+    (waiter,) = table._report_waiters["a"]
     table.update(report("b", BF16), now=time.monotonic())
     table.update(report("a", BF16, seq=4), now=time.monotonic())  # stale: dropped
-    await asyncio.sleep(0)
-    assert not waiting.done()
+    assert not waiter.done() and table._report_waiters["a"] == [waiter]
     table.update(report("a", BF16, seq=6), now=time.monotonic())
     assert await asyncio.wait_for(waiting, 1.0) is True
     assert await table.next_report("a", 0.01) is False
