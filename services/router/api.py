@@ -28,6 +28,7 @@ from services.router.core import Piece, RouterCore, Usage
 from services.router.prompts import PreparedPrompt, off_loop_if_large, prepare_prompt
 from services.router.render import RenderOptions, ResponseRenderer
 from services.router.requests import GenerationRequest, parse_chat, parse_completion, session_header
+from services.router.write_guard import ClientStalledError, WriteGuard
 from shared.errors import InvalidRequestError, KvpathError, ModelNotFoundError, RequestTooLargeError
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class ApiContext:
     max_tokens_limit: int
     retry_after_s: int
     created: int
+    stream_write_timeout_s: float = 60.0
     grammars: Any = None  # gpu.grammar.GrammarCompiler of the tokenizer (validates request grammars)
     # large prompts are prepared here, off the event loop (two at a time: the CPU a burst of them takes)
     prepare_pool: ThreadPoolExecutor = field(
@@ -157,6 +159,9 @@ async def _serve(request: web.Request, parse: Callable[[Any, str], GenerationReq
     except KvpathError as exc:
         outcome = exc.code
         return error_response(exc, ctx.retry_after_s)
+    except ClientStalledError:
+        outcome = "client_stalled"
+        raise
     except BaseException:
         outcome = "cancelled"
         raise
@@ -247,7 +252,22 @@ async def _stream(
     first = await anext(pieces, None)
     response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
     await response.prepare(request)
-    write: Callable[[bytes], Awaitable[None]] = response.write
+    guard = WriteGuard(request, response, ctx.stream_write_timeout_s, renderer.o.request_id)
+    try:
+        await _write_events(guard.write, first, pieces, renderer, usages)
+        await guard.write_eof()
+    finally:
+        guard.close()
+    return response
+
+
+async def _write_events(
+    write: Callable[[bytes], Awaitable[None]],
+    first: tuple[int, Piece] | None,
+    pieces: AsyncIterator[tuple[int, Piece]],
+    renderer: ResponseRenderer,
+    usages: list[Usage],
+) -> None:
     try:
         for chunk in renderer.first_chunks():
             await write(chunk)
@@ -262,5 +282,3 @@ async def _stream(
         log.warning("stream failed request_id=%s code=%s: %s", renderer.o.request_id, exc.code, exc.message)
         await write(renderer.sse(exc.to_openai_body()))
     await write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response

@@ -32,6 +32,9 @@ class RouterConfig(BaseConfig):
     stream_probe_s: float = doc(
         5.0, "a stream without a new token this long: its engines are asked to resend"
     )
+    stream_write_timeout_s: float = doc(
+        60.0, "a streamed response whose client takes no bytes this long is cut (its request aborted)"
+    )
     max_inflight_requests: int = doc(4096, "requests beyond this are refused with 429")
     retry_after_s: int = doc(1, "Retry-After seconds on 503 when no engine is available")
     use_kv_cache: bool = doc(True, "ask the metadata index for stored prefixes (KV reuse across turns)")
@@ -87,6 +90,12 @@ class RouterConfig(BaseConfig):
         check(self.policy in policies, "policy", self.policy, f"one of {', '.join(policies)}")
         check(self.max_tokens_limit >= 1, "max_tokens_limit", self.max_tokens_limit, "must be >= 1")
         check(self.request_deadline_s > 0, "request_deadline_s", self.request_deadline_s, "must be > 0")
+        check(
+            self.stream_write_timeout_s > 0,
+            "stream_write_timeout_s",
+            self.stream_write_timeout_s,
+            "must be > 0",
+        )
         check(self.stream_probe_s > 0, "stream_probe_s", self.stream_probe_s, "must be > 0")
         check(
             self.engine_silence_timeout_s > self.load_report_interval_s,

@@ -45,6 +45,10 @@ TASKS_RESENT = Counter(
     "kvpath_router_tasks_resent_total",
     "Tasks sent again to the same engine: their ack was lost (timeout, NATS disconnect), the engine lives",
 )
+STREAMS_STALLED = Counter(
+    "kvpath_router_streams_stalled_total",
+    "Streamed responses cut because their client took no bytes for stream_write_timeout_s (stopped reading)",
+)
 ORPHANS_ABORTED = Counter(
     "kvpath_router_orphans_aborted_total",
     "Aborts of requests engines ran for this router that it did not know (a restarted router's old ones)",

@@ -66,6 +66,7 @@ class RouterService(Service):
                 vocab_size=self.spec.vocab_size,
                 max_tokens_limit=self.config.max_tokens_limit,
                 retry_after_s=self.config.retry_after_s,
+                stream_write_timeout_s=self.config.stream_write_timeout_s,
                 created=int(self.started_at),
                 grammars=GrammarCompiler(self.tokenizer),
             ),

@@ -1,0 +1,90 @@
+"""A streaming client that stops reading: the router cuts its connection after the write timeout and the
+engine gives the request's KV back (before, the request stayed in flight, past its deadline, for as long
+as the client kept its socket open)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.cluster import UpProcess
+from tests.integration.test_api import engine_idle, sse_events, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+async def _metric(http: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M))
+
+
+def _stuck_stream(url: str) -> socket.socket:
+    """A streamed request of ~10 MB of events (top-20 logprobs per token) on a socket with a tiny receive
+    window whose owner reads the headers and then nothing."""
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    body = orjson.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "stalled"}], "max_tokens": 4000,
+         "ignore_eos": True, "stream": True, "logprobs": True, "top_logprobs": 20}
+    )  # fmt: skip
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.settimeout(30)
+    sock.connect((host, port))
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert sock.recv(64).startswith(b"HTTP/1.1 200")
+    return sock
+
+
+def _read_to_the_end(sock: socket.socket) -> bytes:
+    got = bytearray()
+    try:
+        while chunk := sock.recv(1 << 20):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    return bytes(got)
+
+
+async def test_a_client_that_stops_reading_is_cut_and_its_request_aborted(tmp_path: Path) -> None:
+    args = (
+        "--no-kv-store",
+        "--router-arg=--stream-write-timeout-s 1",
+        "--router-arg=--max-tokens-limit 4000",
+    )
+    up = UpProcess(tmp_path, *args)
+    try:
+        engine_url = next(u for name, u in up.services.items() if name.startswith("engine"))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            sock = await asyncio.to_thread(_stuck_stream, up.url)
+            try:
+                stalled = "kvpath_router_streams_stalled_total"
+                await wait_until(lambda: _is_at_least(http, up.url, stalled, 1), timeout_s=60)
+                await wait_until(lambda: engine_idle(http, engine_url), timeout_s=30)
+                assert await _metric(http, up.url, "kvpath_router_requests_running") == 0
+                body = await asyncio.to_thread(_read_to_the_end, sock)  # what the kernel held, then the cut
+                assert b"data: [DONE]" not in body
+            finally:
+                sock.close()
+            # a client that reads, however the write timeout is short, gets its whole stream
+            req = {"model": "tiny", "prompt": "fine", "max_tokens": 300, "ignore_eos": True, "stream": True,
+                   "stream_options": {"include_usage": True}}  # fmt: skip
+            async with http.post(f"{up.url}/v1/completions", json=req) as resp:
+                events = await sse_events(resp)
+            assert events[-2]["usage"]["completion_tokens"] == 300
+            assert events[-3]["choices"][0]["finish_reason"] == "length"
+            assert await _metric(http, up.url, stalled) == 1
+    finally:
+        assert up.stop() == 0, up.log()
+
+
+async def _is_at_least(http: aiohttp.ClientSession, url: str, name: str, value: float) -> bool:
+    return await _metric(http, url, name) >= value
