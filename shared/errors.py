@@ -140,6 +140,13 @@ class RequestTooLargeError(InvalidRequestError):
     http_status = 413
 
 
+class RequestTimeoutError(InvalidRequestError):
+    """The client did not send its whole request body within the server's read timeout."""
+
+    code = "request_timeout"
+    http_status = 408
+
+
 _BY_CODE: dict[str, type[KvpathError]] = {}
 
 

@@ -10,6 +10,7 @@ seeded `seed + i`, merged into one response (choices.py).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -29,7 +30,13 @@ from services.router.prompts import PreparedPrompt, off_loop_if_large, prepare_p
 from services.router.render import RenderOptions, ResponseRenderer
 from services.router.requests import GenerationRequest, parse_chat, parse_completion, session_header
 from services.router.write_guard import ClientStalledError, WriteGuard
-from shared.errors import InvalidRequestError, KvpathError, ModelNotFoundError, RequestTooLargeError
+from shared.errors import (
+    InvalidRequestError,
+    KvpathError,
+    ModelNotFoundError,
+    RequestTimeoutError,
+    RequestTooLargeError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +87,29 @@ def body_limit_middleware(limit_bytes: int) -> Any:
             )
 
     return check
+
+
+def body_read_middleware(timeout_s: float) -> Any:
+    """A request body not received whole within `timeout_s` is a JSON 408 and its connection closed (a
+    client that sends headers and then stalls, or trickles its body, held its handler and connection for
+    as long as it kept the socket open). Inside the auth middleware: a client without a key is refused
+    before its body is read."""
+
+    @web.middleware
+    async def read(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await request.read()  # kept by the request: the handler's read returns it
+            except TimeoutError:
+                response = error_response(
+                    RequestTimeoutError(f"The request body did not arrive within {timeout_s:g}s")
+                )
+                response.force_close()
+                return response
+        return await handler(request)  # type: ignore[no-any-return]
+
+    return read
 
 
 def add_api_routes(app: web.Application, ctx: ApiContext) -> None:

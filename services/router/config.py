@@ -83,6 +83,9 @@ class RouterConfig(BaseConfig):
         [], "API keys `<key>` or `<key>:<tenant>` (development; prefer api_key_file: flags are visible)"
     )
     max_request_bytes: int = doc(32 << 20, "largest request body; larger ones get a JSON 413")
+    request_read_timeout_s: float = doc(
+        60.0, "a request body not received whole this long after its headers is a 408 (connection closed)"
+    )
 
     def validate(self) -> None:
         BaseConfig.validate(self)

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from gpu.grammar import GrammarCompiler
 from services.router import handlers
-from services.router.api import ApiContext, add_api_routes, body_limit_middleware
+from services.router.api import ApiContext, add_api_routes, body_limit_middleware, body_read_middleware
 from services.router.auth import ApiKeys
 from services.router.bus_probe import BusProbe
 from services.router.config import RouterConfig
@@ -51,7 +51,11 @@ class RouterService(Service):
             log.warning("no API key configured: the OpenAI API is open to whoever reaches its port")
         return web.Application(
             client_max_size=self.config.max_request_bytes,
-            middlewares=[body_limit_middleware(self.config.max_request_bytes), keys.middleware()],
+            middlewares=[
+                body_limit_middleware(self.config.max_request_bytes),
+                keys.middleware(),
+                body_read_middleware(self.config.request_read_timeout_s),
+            ],
         )
 
     def add_routes(self, app: web.Application) -> None:
