@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from importlib.metadata import EntryPoint, entry_points
 
 from gpu.model_spec import EMBEDDED_MODELS, PACKAGED_MODELS
+from shared.limits import raise_open_files_limit
 from shared.version import kvpath_version
 
 PLUGIN_GROUP = "kvpath.commands"
@@ -109,6 +110,7 @@ def _serve(rest: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    raise_open_files_limit()  # for the command and the services it starts (they inherit it)
     if argv[:1] == ["serve"]:
         return _serve(argv[1:])
     # a command of this floor (`kvpath up`) parses without loading the higher floors' commands: their imports

@@ -33,6 +33,7 @@ from shared.bus import Bus, Registry
 from shared.bus_auth import NatsAuth
 from shared.config import BaseConfig, add_config_args, config_from_args
 from shared.errors import KvpathError
+from shared.limits import raise_open_files_limit
 from shared.logs import setup_logging
 from shared.protocol import LoadReport, ServiceInfo
 
@@ -333,6 +334,7 @@ def serve_main(
         print(f"kvpath serve {name}: {exc.message}", file=sys.stderr)
         return 2
     gc.disable()  # until the service is ready: `freeze_startup_heap`
+    raise_open_files_limit()
     setup_logging(name, level=config.log_level, as_json=config.log_json)
     install_uvloop()
     try:
