@@ -186,9 +186,9 @@ class Service:
         try:
             await self.on_stop()
         finally:
-            await self.bus.close(timeout_s=max(0.5, deadline - time.monotonic()))
-            if self._runner is not None:
+            if self._runner is not None:  # before the bus: a handler it cancels may still publish (an abort)
                 await self._runner.cleanup()
+            await self.bus.close(timeout_s=max(0.5, deadline - time.monotonic()))
         log.info("service stopped id=%s", self.service_id)
 
     async def run(self, when_ready: Callable[[], None] | None = None) -> None:
@@ -247,8 +247,13 @@ class Service:
 
     async def _start_http(self) -> None:
         app = self.build_app()
+        # a handler still running when the server stops (past `on_drain`) is cancelled after a second
         self._runner = web.AppRunner(
-            app, access_log=None, handle_signals=False, handler_cancellation=self.http_handler_cancellation
+            app,
+            access_log=None,
+            handle_signals=False,
+            handler_cancellation=self.http_handler_cancellation,
+            shutdown_timeout=1.0,
         )
         await self._runner.setup()
         site = web.TCPSite(

@@ -36,6 +36,7 @@ from shared.errors import (
     ModelNotFoundError,
     RequestTimeoutError,
     RequestTooLargeError,
+    ServiceUnavailableError,
 )
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,12 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 async def _serve(request: web.Request, parse: Callable[[Any, str], GenerationRequest]) -> web.StreamResponse:
     ctx = request.app[API_CONTEXT]
+    if ctx.core.draining:  # stopping: another router replica takes it
+        refused = error_response(
+            ServiceUnavailableError("the router is shutting down; retry"), ctx.retry_after_s
+        )
+        refused.force_close()
+        return refused
     try:
         raw = await request.read()
         parsed = parse(_json_loads(raw), session_header(request.headers))

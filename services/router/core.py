@@ -78,6 +78,7 @@ class RouterCore:
         self.streams = StreamTable()
         self.engines = EngineTable(config.engine_silence_timeout_s)
         self.inflight = 0
+        self.draining = False  # stopping: the API refuses new requests (503)
         self.is_idle = asyncio.Event()
         self.is_idle.set()
         self.dispatch = build_dispatch(config, self.engines, bus, router_id)

@@ -20,6 +20,7 @@ from services.router.core import RouterCore
 from services.router.orphans import OrphanAborts
 from services.router.resend import StreamResends
 from shared import telemetry
+from shared.errors import ServiceUnavailableError
 from shared.protocol import ServiceInfo
 from shared.service import Service
 
@@ -105,7 +106,19 @@ class RouterService(Service):
             self.core.engines.bus_down(time.monotonic())
 
     async def on_drain(self, deadline: float) -> None:
-        # stop taking requests (health turns 503), let open streams finish
+        """Refuse new requests (503, Retry-After: health and readiness turn 503 too) and let open streams
+        finish; those still open a moment before the deadline end with a `service_unavailable` error event
+        and `[DONE]`, their requests aborted on the engines while the bus still carries the aborts. Before,
+        they ran on past the deadline with the bus closed under them, their clients waiting on nothing until
+        the HTTP server's own shutdown timeout cancelled them (2 min after a SIGTERM under an agent mix)."""
+        self.core.draining = True
+        end_at = deadline - min(1.0, (deadline - time.monotonic()) / 4)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.core.is_idle.wait(), max(0.0, end_at - time.monotonic()))
+        if self.core.is_idle.is_set():
+            return
+        ended = self.core.streams.end_all(ServiceUnavailableError("the router is shutting down; retry"))
+        log.warning("drain deadline: %d streams still open end with an error", ended)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.core.is_idle.wait(), max(0.0, deadline - time.monotonic()))
 

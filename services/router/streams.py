@@ -57,12 +57,15 @@ class StreamTable:
         self._by_task: dict[str, str] = {}  # a retried attempt's id -> its request's id
         self.unknown: set[str] = set()  # ids of unfinished deltas no stream took (`orphans.py` aborts them)
         self._closed: OrderedDict[str, None] = OrderedDict()  # the last CLOSED_KEPT ids closed here
+        self.ended: KvpathError | None = None  # `end_all`'s error: streams opened after it fail with it
 
     def __len__(self) -> int:
         return len(self._streams)
 
     def open(self, request_id: str, engine_id: str = "") -> RequestStream:
         """Open a stream; tokens are accepted at once, even before an engine is assigned."""
+        if self.ended is not None:
+            raise self.ended
         stream = RequestStream(request_id=request_id, task_ids=[request_id])
         self._streams[request_id] = stream
         if engine_id:
@@ -232,6 +235,16 @@ class StreamTable:
             stream.put_error(error)
             failed += 1
         return failed
+
+    def end_all(self, error: KvpathError) -> int:
+        """End every open stream with `error`, and every stream opened from now on (the router stops)."""
+        self.ended = error
+        ended = 0
+        for stream in self._streams.values():
+            if not stream.is_finished:
+                stream.put_error(error)
+                ended += 1
+        return ended
 
     def engines_with_streams(self) -> list[str]:
         return list(self._by_engine)
