@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 _CONTROL_TIMEOUT_S = 2.0
 _OVERLOADED_FIRST_BACK_OFF_S = 0.02  # a write refused by a full queue is asked again after this, doubling
 _OVERLOADED_MAX_BACK_OFF_S = 0.5
+RESTART_GRACE_S = 10.0  # writes wait this long for a storage service none answers for (a restart)
 
 
 @dataclass(slots=True, eq=False)
@@ -121,6 +122,7 @@ class StorageClient:
         self._buffer_array: np.ndarray | None = None
         self._buffer_key: tuple[str, int] = ("", 0)
         self._quarantine: set[asyncio.TimerHandle] = set()
+        self._down_since: float | None = None  # since when writes found no storage service answering
 
     async def start(self) -> None:
         """Create the staging segment and map the node buffer (mapped later if storage is not up yet)."""
@@ -263,9 +265,12 @@ class StorageClient:
     ) -> WriteResult:
         """Persist the staged blocks; returns once they are durable and announced. Frees the staging space.
 
-        A node whose write queue is full (OverloadedError: it refused before reading anything) is asked
-        again after a back-off (20 ms, doubling, at most 0.5 s) until `timeout_s` runs out, the staged
-        bytes kept meanwhile: a burst of finished requests waits its turn instead of losing its KV.
+        A node whose write queue is full (OverloadedError: it refused before reading anything) or that has
+        no storage service answering (ServiceUnavailableError: it restarts) is asked again after a back-off
+        (20 ms, doubling, at most 0.5 s) until `timeout_s` runs out, the staged bytes kept meanwhile (the
+        staging segment is the client's, so a restarted service reads them as well): a burst of finished
+        requests waits its turn, and the writes of a storage restart (~1.5 s under `kvpath up`) land,
+        instead of losing their KV.
         Raises StorageError (storage full, I/O error), OverloadedError (still refused at the deadline) or
         ServiceUnavailable/DeadlineExceeded; the engine keeps serving either way.
         """
@@ -283,8 +288,8 @@ class StorageClient:
             except (DeadlineExceededError, asyncio.CancelledError):
                 self._free_later(staged, remaining)  # the service may still be reading the staged bytes
                 raise
-            except OverloadedError:
-                if deadline - loop.time() <= back_off:
+            except (OverloadedError, ServiceUnavailableError) as exc:
+                if deadline - loop.time() <= back_off or self._is_down_for_long(exc, loop.time()):
                     self.unstage(staged)
                     raise
             except KvpathError:
@@ -296,8 +301,19 @@ class StorageClient:
                 self.unstage(staged)
                 raise
             back_off = min(2 * back_off, _OVERLOADED_MAX_BACK_OFF_S)
+        self._down_since = None
         self.unstage(staged)
         return WriteResult(reply.num_written, reply.num_existing, reply.event_stream_seq)
+
+    def _is_down_for_long(self, exc: KvpathError, now: float) -> bool:
+        """Whether no storage service has answered for over RESTART_GRACE_S (`exc` being the refusal just
+        got): a restart is waited for, a node down for good fails writes at once again (a finishing
+        request waits for its writes, so each would wait out its timeout)."""
+        if not isinstance(exc, ServiceUnavailableError):
+            return False
+        if self._down_since is None:
+            self._down_since = now
+        return now - self._down_since > RESTART_GRACE_S
 
     def _write_request(
         self,
