@@ -44,9 +44,17 @@ def new_sequence(
     """The sequence of a plan with its sampling state: options checked (a bad one refuses the task, never
     fails a batch), its generator seeded and its grammar compiled."""
     seq = Sequence(plan=plan, arrived_at=time.monotonic(), choice_of=choice_of)
-    sampling_options(seq).check(vocab_size)
+    options = sampling_options(seq)
+    options.check(vocab_size)
     if plan.sampling.grammar:
         seq.grammar = grammars.compile(plan.sampling.grammar)
+    if (
+        plan.resume_token_ids
+    ):  # migrated: its output so far (KV recomputed, grammar caught up on the first step)
+        seq.output_token_ids = list(plan.resume_token_ids)
+        if seq.rng is not None and not options.is_greedy:
+            for _ in plan.resume_token_ids:  # the draws its tokens so far took: a seeded request samples on
+                seq.rng.random()  # as it would have where it began
     return seq
 
 

@@ -231,6 +231,9 @@ class AutoDispatch(ColocatedDispatch):
 
     # ----------------------------------------------------------------------------------------- explain
 
+    def resumes(self) -> bool:
+        return super().resumes() and not has_pd_engines(self.engines)
+
     async def dispatch(
         self, plan: RequestPlan, deadline: float, streams: StreamTable, locality: Mapping[str, int]
     ) -> dict[str, float]:

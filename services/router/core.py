@@ -266,14 +266,13 @@ class RouterCore:
         return stream, again
 
     async def _redispatch(
-        self, stream: RequestStream, again: Redispatch | None, deadline: float, usage: Usage, cause: str
+        self, stream: RequestStream, again: Redispatch | None, deadline: float, cause: str
     ) -> bool:
-        """Send the request again after its attempt was lost (`cause`); False when it may not: a token went
-        out, no retry left, past the deadline, or its n choices share one task."""
-        if again is None or usage.completion_tokens or not again.may(deadline):
+        """Send the request again after its attempt was lost (`cause`), from its tokens so far (redispatch);
+        False when it may not, or when its n choices share one task."""
+        if again is None or not again.may(deadline, resumes=self.dispatch.resumes()):
             return False
-        await again.send(self.dispatch, self.streams, stream, deadline, cause)
-        return True
+        return await again.send(self.dispatch, self.streams, stream, deadline, cause)
 
     async def _plan(
         self, prompt: PreparedPrompt, request_id: str, deadline: float, choice: int, num_choices: int = 1
@@ -321,11 +320,11 @@ class RouterCore:
                 deltas = await self._next_deltas(stream, deadline)
             except EngineFailedError:
                 engine = stream.lost_engine
-                if engine and await self._redispatch(stream, again, deadline, usage, f"engine {engine} lost"):
+                if engine and await self._redispatch(stream, again, deadline, f"engine {engine} lost"):
                     continue
                 raise
             token_ids = deltas[0].token_ids if len(deltas) == 1 else [t for d in deltas for t in d.token_ids]
-            num_tokens = len(token_ids)
+            num_tokens = again.record(token_ids) if again is not None else len(token_ids)
             now = time.monotonic()
             if num_tokens:
                 if usage.completion_tokens == 0:
@@ -349,7 +348,7 @@ class RouterCore:
                 if peer_lost and last.error_engine and self.engines.suspect(last.error_engine):
                     metrics.ENGINES_SUSPECTED.inc()
                     log.warning("engine suspect engine=%s: %s", last.error_engine, error.message)
-                if peer_lost and await self._redispatch(stream, again, deadline, usage, error.message):
+                if peer_lost and await self._redispatch(stream, again, deadline, error.message):
                     continue
                 raise error
             logprobs = [lp for d in deltas for lp in d.logprobs]

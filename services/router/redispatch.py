@@ -1,4 +1,5 @@
-"""Dispatching a request again when the attempt serving it was lost before any token reached the client.
+"""Dispatching a request again when the attempt serving it was lost: before any token reached the client,
+or mid-decode (a migration, where the engines can resume one).
 
 An engine that dies or restarts after taking a request (the router hears its silence or its new incarnation:
 `StreamTable.fail_engine`), or a decode engine whose KV data plane to its prefill engine breaks (that engine
@@ -8,6 +9,13 @@ the request again through the same dispatch, under an id of its own (`<id>-lostN
 it), up to MAX_REDISPATCHES times within the request's deadline. The dispatch decides afresh over the
 engines its table still lists (a silent engine is out of it; a dead peer not yet heard is met at its send
 and left out, as any failed send). Requests whose n choices share one task are not sent again.
+
+After tokens went out, the request migrates where the dispatch's engines can resume it (`Dispatch.resumes`:
+colocated engines, without move-the-query routing): the new attempt carries the tokens the client got
+(`RequestPlan.resume_token_ids`); its engine recomputes their KV after the prompt's (the stored prefix still
+loads), catches a grammar and a seeded generator up on them, and samples on, so the stream continues where
+it broke, with the tokens the lost engine would have given (greedy, or seeded). As Dynamo's request
+migration does. Prefill/decode hand-offs do not carry it: there the stream still ends with the error.
 """
 
 from __future__ import annotations
@@ -15,11 +23,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from services.router import metrics
 from services.router.dispatch import Dispatch, publish_abort
 from services.router.streams import RequestStream, StreamTable
+from shared.errors import KvpathError
 from shared.protocol import RequestPlan
 
 log = logging.getLogger(__name__)
@@ -36,34 +45,51 @@ class Redispatch:
     locality: Mapping[str, int]
     task_id: str
     count: int = 0
+    output: list[int] = field(default_factory=list)  # the tokens the client got so far (a migration's resume)
+
+    def record(self, token_ids: list[int]) -> int:
+        """Keep a delta's tokens (what a migration resumes from); return how many."""
+        self.output += token_ids
+        return len(token_ids)
 
     @classmethod
     def of(cls, plan: RequestPlan, locality: Mapping[str, int]) -> Redispatch:
         """Kept before the first dispatch, which may rewrite the plan's KV part."""
         return cls(fresh_plan(plan), locality, plan.request_id)
 
-    def may(self, deadline: float) -> bool:
-        return self.count < MAX_REDISPATCHES and time.monotonic() < deadline
+    def may(self, deadline: float, *, resumes: bool) -> bool:
+        """Another attempt is allowed: retries left, time left, and no token out unless the engines resume."""
+        return self.count < MAX_REDISPATCHES and time.monotonic() < deadline and (resumes or not self.output)
 
     async def send(
         self, dispatch: Dispatch, streams: StreamTable, stream: RequestStream, deadline: float, cause: str
-    ) -> None:
-        """Abort the lost attempt, restart the stream under a new id and dispatch the request again."""
+    ) -> bool:
+        """Abort the lost attempt, restart the stream under a new id and dispatch the request again. A
+        migration no engine took returns False (the client gets the loss that caused it, not the refusal);
+        a first-token retry's refusal is raised (a 503 when no engine is left)."""
         for task_id in stream.task_ids:
             await publish_abort(dispatch.bus, task_id, f"{cause}; dispatched again")
         dispatch.release(self.task_id)
         self.count += 1
         self.task_id = f"{stream.request_id}-lost{self.count}"
         streams.restart(stream.request_id, self.task_id)
-        metrics.REDISPATCHED.labels("engine_lost").inc()
+        metrics.REDISPATCHED.labels("migrated" if self.output else "engine_lost").inc()
         log.warning(
-            "lost before the first token request_id=%s (%s): dispatched again as %s",
+            "%s request_id=%s (%s): dispatched again as %s",
+            f"migrated after {len(self.output)} tokens" if self.output else "lost before the first token",
             stream.request_id,
             cause,
             self.task_id,
         )
-        plan = replace(fresh_plan(self.plan), request_id=self.task_id)
-        await dispatch.dispatch(plan, deadline, streams, self.locality)
+        plan = replace(fresh_plan(self.plan), request_id=self.task_id, resume_token_ids=list(self.output))
+        try:
+            await dispatch.dispatch(plan, deadline, streams, self.locality)
+        except KvpathError as exc:
+            if not self.output:
+                raise
+            log.warning("migration failed request_id=%s: %s", stream.request_id, exc.message)
+            return False
+        return True
 
 
 def fresh_plan(plan: RequestPlan) -> RequestPlan:

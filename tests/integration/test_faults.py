@@ -260,3 +260,41 @@ async def test_a_router_gone_for_good_has_its_requests_aborted_by_the_engine(
     finished = await metric(http, engine_url, "kvpath_engine_requests_finished_total")
     aborted = await metric(http, engine_url, "kvpath_engine_router_gone_aborts_total")
     assert (finished, aborted) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 11}], ids=["greedy", "seeded"]
+)
+async def test_an_engine_killed_mid_decode_migrates_the_stream(
+    stack: tuple[Stack, Bus], sampling: dict
+) -> None:
+    """The engine decoding a streamed request dies after tokens went out: the router dispatches it to the
+    other engine with the tokens the client got, and the stream goes on where it broke, no error, the same
+    text as the request run whole (greedy, or seeded sampling: the generator is caught up). Before, the
+    client got an error event."""
+    s, bus = stack
+    router = s.start("router", "router-0", *ROUTER_ARGS, "--no-use-kv-cache")
+    engines = {i: s.start("engine", i, "--no-persist-kv", "--no-load-kv") for i in ("engine-0", "engine-1")}
+    ready = await wait_ready(bus, {"router-0", *engines}, s.procs)
+    url = ready["router-0"].http_url
+    body = {"model": "tiny", "prompt": "migrate", "max_tokens": 1200, "ignore_eos": True, **sampling}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        status, whole = await _complete(http, url, body)
+        assert status == 200, whole
+        async with http.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
+            assert resp.status == 200
+            head = await resp.content.readuntil(b"\n\n")
+            serving = [i for i, p in engines.items() if await _is_running(http, ready[i].http_url)]
+            engines[serving[0]].kill()
+            events = (head + await resp.read()).decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [orjson.loads(e[len("data: ") :]) for e in events[:-2]]
+    assert all("error" not in c for c in chunks), chunks[-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "migrated after" in router.log() and f"engine {serving[0]} lost" in router.log()
+
+
+async def _is_running(http: aiohttp.ClientSession, engine_url: str) -> bool:
+    async with http.get(f"{engine_url}/health") as resp:
+        return bool((await resp.json())["num_running"])
