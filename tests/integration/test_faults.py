@@ -298,3 +298,40 @@ async def test_an_engine_killed_mid_decode_migrates_the_stream(
 async def _is_running(http: aiohttp.ClientSession, engine_url: str) -> bool:
     async with http.get(f"{engine_url}/health") as resp:
         return bool((await resp.json())["num_running"])
+
+
+@pytest.mark.parametrize("policy", ["ampd", "auto"])
+async def test_a_decode_engine_killed_mid_decode_migrates_the_stream(
+    stack: tuple[Stack, Bus], policy: str
+) -> None:
+    """One prefill and two session decode engines (AMPD, or auto on them): the decode engine streaming a
+    request dies; the request migrates to the other one, which resumes it itself (AMPD's route reason
+    `resume`; auto decides among its local plans only), the same greedy text as the request run whole."""
+    s, bus = stack
+    engine = ("--no-persist-kv", "--no-load-kv")
+    router = s.start("router", "router-0", *ROUTER_ARGS, "--no-use-kv-cache", "--policy", policy)
+    s.start("engine", "pe-0", "--role", "prefill", *engine)
+    des = {i: s.start("engine", i, "--role", "decode", "--session-kv", *engine) for i in ("de-a", "de-b")}
+    ready = await wait_ready(bus, {"router-0", "pe-0", *des}, s.procs, num_engines=3)
+    url = ready["router-0"].http_url
+    body = {
+        "model": "tiny",
+        "prompt": "migrate a session",
+        "max_tokens": 1200,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        status, whole = await _complete(http, url, body)
+        assert status == 200, whole
+        async with http.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
+            assert resp.status == 200
+            head = await resp.content.readuntil(b"\n\n")
+            serving = [i for i in des if await _is_running(http, ready[i].http_url)]
+            des[serving[0]].kill()
+            events = (head + await resp.read()).decode().split("\n\n")
+        resumed = await metric(http, url, "kvpath_router_session_routes_total", 'reason="resume"')
+    chunks = [orjson.loads(e[len("data: ") :]) for e in events[:-2]]
+    assert all("error" not in c for c in chunks), chunks[-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert resumed == (policy == "ampd") and "migrated after" in router.log()
