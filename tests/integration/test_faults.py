@@ -11,6 +11,7 @@ import aiohttp
 import orjson
 import pytest
 
+from services.up.process import ServiceProcess
 from shared.bus import Bus
 from shared.protocol import (
     ErrorReply,
@@ -276,28 +277,9 @@ async def test_an_engine_killed_mid_decode_migrates_the_stream(
     router = s.start("router", "router-0", *ROUTER_ARGS, "--no-use-kv-cache")
     engines = {i: s.start("engine", i, "--no-persist-kv", "--no-load-kv") for i in ("engine-0", "engine-1")}
     ready = await wait_ready(bus, {"router-0", *engines}, s.procs)
-    url = ready["router-0"].http_url
-    body = {"model": "tiny", "prompt": "migrate", "max_tokens": 1200, "ignore_eos": True, **sampling}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-        status, whole = await _complete(http, url, body)
-        assert status == 200, whole
-        async with http.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
-            assert resp.status == 200
-            head = await resp.content.readuntil(b"\n\n")
-            serving = [i for i, p in engines.items() if await _is_running(http, ready[i].http_url)]
-            engines[serving[0]].kill()
-            events = (head + await resp.read()).decode().split("\n\n")
-    assert events[-2:] == ["data: [DONE]", ""]
-    chunks = [orjson.loads(e[len("data: ") :]) for e in events[:-2]]
-    assert all("error" not in c for c in chunks), chunks[-1]
-    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert "migrated after" in router.log() and f"engine {serving[0]} lost" in router.log()
-
-
-async def _is_running(http: aiohttp.ClientSession, engine_url: str) -> bool:
-    async with http.get(f"{engine_url}/health") as resp:
-        return bool((await resp.json())["num_running"])
+        killed = await _killed_mid_stream(http, ready, engines, {"prompt": "migrate", **sampling})
+    assert "migrated after" in router.log() and f"engine {killed} lost" in router.log()
 
 
 @pytest.mark.parametrize("policy", ["ampd", "auto"])
@@ -313,25 +295,36 @@ async def test_a_decode_engine_killed_mid_decode_migrates_the_stream(
     s.start("engine", "pe-0", "--role", "prefill", *engine)
     des = {i: s.start("engine", i, "--role", "decode", "--session-kv", *engine) for i in ("de-a", "de-b")}
     ready = await wait_ready(bus, {"router-0", "pe-0", *des}, s.procs, num_engines=3)
-    url = ready["router-0"].http_url
-    body = {
-        "model": "tiny",
-        "prompt": "migrate a session",
-        "max_tokens": 1200,
-        "ignore_eos": True,
-        "temperature": 0,
-    }
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-        status, whole = await _complete(http, url, body)
-        assert status == 200, whole
-        async with http.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
-            assert resp.status == 200
-            head = await resp.content.readuntil(b"\n\n")
-            serving = [i for i in des if await _is_running(http, ready[i].http_url)]
-            des[serving[0]].kill()
-            events = (head + await resp.read()).decode().split("\n\n")
+        await _killed_mid_stream(http, ready, des, {"prompt": "migrate a session", "temperature": 0})
+        url = ready["router-0"].http_url
         resumed = await metric(http, url, "kvpath_router_session_routes_total", 'reason="resume"')
+    assert resumed == (policy == "ampd") and "migrated after" in router.log()
+
+
+async def _killed_mid_stream(
+    http: aiohttp.ClientSession, ready: dict, engines: dict[str, ServiceProcess], fields: dict
+) -> str:
+    """A request of 1,200 tokens run whole, then streamed, the engine decoding it killed after its first
+    event: the stream ends without an error and with the whole run's text; returns the killed engine."""
+    url = ready["router-0"].http_url
+    body = {"model": "tiny", "max_tokens": 1200, "ignore_eos": True, **fields}
+    status, whole = await _complete(http, url, body)
+    assert status == 200, whole
+    async with http.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status == 200
+        head = await resp.content.readuntil(b"\n\n")
+        serving = [i for i in engines if await _is_running(http, ready[i].http_url)]
+        engines[serving[0]].kill()
+        events = (head + await resp.read()).decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
     chunks = [orjson.loads(e[len("data: ") :]) for e in events[:-2]]
     assert all("error" not in c for c in chunks), chunks[-1]
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
-    assert resumed == (policy == "ampd") and "migrated after" in router.log()
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    return serving[0]
+
+
+async def _is_running(http: aiohttp.ClientSession, engine_url: str) -> bool:
+    async with http.get(f"{engine_url}/health") as resp:
+        return bool((await resp.json())["num_running"])

@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from tests.cluster import UpProcess
+from tests.integration.test_ampd import metric
 from tests.integration.test_api import engine_idle, sse_events, wait_until
 
 pytestmark = pytest.mark.slow
@@ -33,12 +34,6 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     )
     yield cluster
     assert cluster.stop() == 0, cluster.log()
-
-
-async def _metric(http: aiohttp.ClientSession, url: str, name: str) -> float:
-    async with http.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M))
 
 
 def _stuck_stream(url: str) -> socket.socket:
@@ -77,7 +72,7 @@ async def test_a_client_that_stops_reading_is_cut_and_its_request_aborted(up: Up
             stalled = "kvpath_router_streams_stalled_total"
             await wait_until(lambda: _is_at_least(http, up.url, stalled, 1), timeout_s=60)
             await wait_until(lambda: engine_idle(http, engine_url), timeout_s=30)
-            assert await _metric(http, up.url, "kvpath_router_requests_running") == 0
+            assert await metric(http, up.url, "kvpath_router_requests_running") == 0
             body = await asyncio.to_thread(_read_to_the_end, sock)  # what the kernel held, then the cut
             assert b"data: [DONE]" not in body
         finally:
@@ -89,11 +84,11 @@ async def test_a_client_that_stops_reading_is_cut_and_its_request_aborted(up: Up
             events = await sse_events(resp)
         assert events[-2]["usage"]["completion_tokens"] == 300
         assert events[-3]["choices"][0]["finish_reason"] == "length"
-        assert await _metric(http, up.url, stalled) == 1
+        assert await metric(http, up.url, stalled) == 1
 
 
 async def _is_at_least(http: aiohttp.ClientSession, url: str, name: str, value: float) -> bool:
-    return await _metric(http, url, name) >= value
+    return await metric(http, url, name) >= value
 
 
 def _send_and_answer(url: str, pieces: list[bytes], gap_s: float) -> tuple[bytes, float]:

@@ -22,6 +22,18 @@ from tests.integration.storage.storage_harness import FP, LAYOUT, chain, write_b
 KVPATH = str(Path(sys.executable).parent / "kvpath")
 
 
+def _storage_args(nats_server: NatsServer, namespace: str, root: Path, *, node: int) -> list[str]:
+    args = [KVPATH, "serve", "storage", "--node", str(node), "--root", str(root), "--buffer-bytes", "2097152"]
+    return [*args, "--nats-url", nats_server.url, "--namespace", namespace, "--fsync-policy", "dir"]
+
+
+async def _client(nats_server: NatsServer, namespace: str, *, node: int) -> tuple[Bus, StorageClient]:
+    """An engine's bus connection and its storage client of `node` (not started)."""
+    bus = Bus(nats_server.url, namespace, name="engine")
+    await bus.connect()
+    return bus, StorageClient(bus, node, LAYOUT, FP, staging_bytes=1 << 20)
+
+
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -31,12 +43,9 @@ async def test_storage_process_serves_and_stops_cleanly(
     nats_server: NatsServer, namespace: str, tmp_path: Path
 ) -> None:
     root, log = tmp_path / "blocks", tmp_path / "storage.log"
-    args = [KVPATH, "serve", "storage", "--node", "3", "--root", str(root), "--buffer-bytes", "2097152"]
-    args += ["--nats-url", nats_server.url, "--namespace", namespace, "--fsync-policy", "dir"]
+    args = _storage_args(nats_server, namespace, root, node=3)
     proc = await asyncio.to_thread(_spawn, args, log)
-    bus = Bus(nats_server.url, namespace, name="engine")
-    await bus.connect()
-    client = StorageClient(bus, 3, LAYOUT, FP, staging_bytes=1 << 20)
+    bus, client = await _client(nats_server, namespace, node=3)
     try:
         await _wait_answering(client, proc, log)
         info = await client.info(timeout_s=1.0)
@@ -66,12 +75,9 @@ async def test_a_write_sent_while_the_storage_service_restarts_lands_when_it_is_
     failed at once ("no service answers") and the blocks were never persisted, so later turns recomputed
     them."""
     root, log = tmp_path / "blocks", tmp_path / "storage.log"
-    args = [KVPATH, "serve", "storage", "--node", "4", "--root", str(root), "--buffer-bytes", "2097152"]
-    args += ["--nats-url", nats_server.url, "--namespace", namespace, "--fsync-policy", "dir"]
+    args = _storage_args(nats_server, namespace, root, node=4)
     proc = await asyncio.to_thread(_spawn, args, log)
-    bus = Bus(nats_server.url, namespace, name="engine")
-    await bus.connect()
-    client = StorageClient(bus, 4, LAYOUT, FP, staging_bytes=1 << 20)
+    bus, client = await _client(nats_server, namespace, node=4)
     try:
         await _wait_answering(client, proc, log)
         await client.start()
@@ -111,9 +117,7 @@ async def test_writes_to_a_node_down_for_good_fail_at_once_after_the_restart_gra
     """No storage service ever answers: writes wait for one only RESTART_GRACE_S (here 0.3 s), then fail at
     once, so a node down for good does not hold every finishing request for its write's timeout."""
     monkeypatch.setattr(storage_client, "RESTART_GRACE_S", 0.3)
-    bus = Bus(nats_server.url, namespace, name="engine")
-    await bus.connect()
-    client = StorageClient(bus, 5, LAYOUT, FP, staging_bytes=1 << 20)
+    bus, client = await _client(nats_server, namespace, node=5)
     try:
         await client.start()
         loop = asyncio.get_running_loop()
