@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ import pytest
 
 from shared.bus import Bus
 from tests.cluster import ServiceProcess, Stack, UpProcess, wait_ready
+from tests.integration.test_ampd import metric
+from tests.integration.test_api import wait_until
 
 pytestmark = pytest.mark.slow
 BLOCK = 64
@@ -124,10 +127,16 @@ async def test_storage_down_still_serves(stack: tuple[Stack, Bus], tmp_path: Pat
         again = await complete(http, url, prompt, 4, "d")
         assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        async with http.get(f"{ready['engine-0'].http_url}/metrics") as resp:
-            metrics = await resp.text()
-    assert 'kvpath_engine_kv_load_misses_total{reason="service_unavailable"}' in metrics
-    assert "kvpath_engine_kv_persist_failures_total{" in metrics
+        engine_url = ready["engine-0"].http_url
+        misses = await metric(http, engine_url, "kvpath_engine_kv_load_misses_total", "service_unavailable")
+        assert misses >= 1
+        # its writes wait for a storage restart (RESTART_GRACE_S) up to their timeout, then fail
+        persist = "kvpath_engine_kv_persist_failures_total"
+        await wait_until(lambda: _is_positive(metric(http, engine_url, persist)), timeout_s=20)
+
+
+async def _is_positive(value: Awaitable[float]) -> bool:
+    return await value > 0
 
 
 async def test_the_router_hashes_with_the_engines_kv_format(stack: tuple[Stack, Bus], tmp_path: Path) -> None:

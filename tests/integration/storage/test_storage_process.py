@@ -34,6 +34,17 @@ async def _client(nats_server: NatsServer, namespace: str, *, node: int) -> tupl
     return bus, StorageClient(bus, node, LAYOUT, FP, staging_bytes=1 << 20)
 
 
+async def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the service unlinks its buffer segment), SIGKILL if it does not end."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(proc.wait, 20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            await asyncio.to_thread(proc.wait, 10)
+
+
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -62,9 +73,7 @@ async def test_storage_process_serves_and_stops_cleanly(
     finally:
         await client.close()
         await bus.close()
-        if proc.poll() is None:
-            proc.kill()
-            await asyncio.to_thread(proc.wait, 10)
+        await _stop(proc)
 
 
 async def test_a_write_sent_while_the_storage_service_restarts_lands_when_it_is_back(
@@ -93,9 +102,7 @@ async def test_a_write_sent_while_the_storage_service_restarts_lands_when_it_is_
     finally:
         await client.close()
         await bus.close()
-        if proc.poll() is None:
-            proc.kill()
-            await asyncio.to_thread(proc.wait, 10)
+        await _stop(proc)
 
 
 async def _wait_answering(client: StorageClient, proc: subprocess.Popen[bytes], log: Path) -> None:
