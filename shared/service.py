@@ -89,6 +89,9 @@ class Service:
     async def on_start(self) -> None:
         """Subscribe to subjects and build state. Called once, after the bus connects."""
 
+    def begin_drain(self) -> None:
+        """Refuse new work from now on: called once on stop, as health turns 503, before any await."""
+
     async def on_drain(self, deadline: float) -> None:
         """Finish in-flight work before `deadline` (time.monotonic()). Called once on stop."""
 
@@ -172,6 +175,7 @@ class Service:
             return
         self._stopped = True
         self.status = "draining"
+        self.begin_drain()
         deadline = time.monotonic() + self.config.drain_timeout_s
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.registry.put(self.service_info()), 1.0)

@@ -105,13 +105,16 @@ class RouterService(Service):
         else:
             self.core.engines.bus_down(time.monotonic())
 
+    def begin_drain(self) -> None:
+        self.core.draining = True  # the API refuses new requests from the moment health turns 503
+
     async def on_drain(self, deadline: float) -> None:
-        """Refuse new requests (503, Retry-After: health and readiness turn 503 too) and let open streams
-        finish; those still open a moment before the deadline end with a `service_unavailable` error event
-        and `[DONE]`, their requests aborted on the engines while the bus still carries the aborts. Before,
-        they ran on past the deadline with the bus closed under them, their clients waiting on nothing until
-        the HTTP server's own shutdown timeout cancelled them (2 min after a SIGTERM under an agent mix)."""
-        self.core.draining = True
+        """New requests are refused (`begin_drain`: 503, Retry-After; health and readiness 503 too); open
+        streams finish; those still open a moment before the deadline end with a `service_unavailable`
+        error event and `[DONE]`, their requests aborted on the engines while the bus still carries the
+        aborts. Before, they ran on past the deadline with the bus closed under them, their clients waiting
+        on nothing until the HTTP server's own shutdown timeout cancelled them (2 min after a SIGTERM under
+        an agent mix)."""
         end_at = deadline - min(1.0, (deadline - time.monotonic()) / 4)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.core.is_idle.wait(), max(0.0, end_at - time.monotonic()))

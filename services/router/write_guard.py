@@ -13,9 +13,7 @@ One timer per stream, rearmed every quarter of the timeout; a write costs two st
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -40,20 +38,25 @@ class WriteGuard:
         self._timer = self._loop.call_later(timeout_s / 4, self._check)
 
     async def write(self, chunk: bytes) -> None:
-        await self._guarded(functools.partial(self._response.write, chunk))
+        self._begin()
+        await self._response.write(chunk)
+        self._end()
 
     async def write_eof(self) -> None:
-        await self._guarded(self._response.write_eof)
+        self._begin()
+        await self._response.write_eof()
+        self._end()
 
     def close(self) -> None:
         """Stop watching (the handler is done with the connection, which keep-alive may reuse)."""
         self._timer.cancel()
 
-    async def _guarded(self, send: Callable[[], Awaitable[None]]) -> None:
+    def _begin(self) -> None:
         if self.is_cut:
             raise ClientStalledError(f"stream {self._request_id} cut: its client stopped reading")
         self._blocked_since = self._loop.time()
-        await send()
+
+    def _end(self) -> None:
         self._blocked_since = None
         if self.is_cut:  # the cut wakes a pending write without an error
             raise ClientStalledError(f"stream {self._request_id} cut: its client stopped reading")
