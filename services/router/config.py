@@ -35,6 +35,10 @@ class RouterConfig(BaseConfig):
     stream_write_timeout_s: float = doc(
         60.0, "a streamed response whose client takes no bytes this long is cut (its request aborted)"
     )
+    max_redispatches: int = doc(
+        2,
+        "lost attempts a request survives (its engine died or restarted): sent again, or migrated mid-decode",
+    )
     max_inflight_requests: int = doc(4096, "requests beyond this are refused with 429")
     retry_after_s: int = doc(1, "Retry-After seconds on 503 when no engine is available")
     use_kv_cache: bool = doc(True, "ask the metadata index for stored prefixes (KV reuse across turns)")
@@ -100,6 +104,13 @@ class RouterConfig(BaseConfig):
             "must be > 0",
         )
         check(self.stream_probe_s > 0, "stream_probe_s", self.stream_probe_s, "must be > 0")
+        check(
+            self.request_read_timeout_s > 0,
+            "request_read_timeout_s",
+            self.request_read_timeout_s,
+            "must be > 0",
+        )
+        check(self.max_redispatches >= 0, "max_redispatches", self.max_redispatches, "must be >= 0")
         check(
             self.engine_silence_timeout_s > self.load_report_interval_s,
             "engine_silence_timeout_s",

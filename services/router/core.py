@@ -248,7 +248,7 @@ class RouterCore:
             for other in others:
                 if group is not None and other not in group.left:
                     self.streams.open(other)
-            again = None if group is not None else Redispatch.of(plan, locality)
+            again = None if group is not None else Redispatch.of(plan, locality, self.config.max_redispatches)
             if gated is not None and choice == 0:
                 gated.dispatched_prompt(plan.kv, locality, self.kv_planner)
             usage.timings.update(await self.dispatch.dispatch(plan, deadline, self.streams, locality))

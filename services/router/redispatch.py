@@ -6,9 +6,10 @@ An engine that dies or restarts after taking a request (the router hears its sil
 died mid-prefill: a `transport_error` delta), ends the attempt; while the client has received no token the
 request is not lost with it: `RouterCore` aborts the attempt under every id the engines knew it by and sends
 the request again through the same dispatch, under an id of its own (`<id>-lostN`, so the abort never meets
-it), up to MAX_REDISPATCHES times within the request's deadline. The dispatch decides afresh over the
-engines its table still lists (a silent engine is out of it; a dead peer not yet heard is met at its send
-and left out, as any failed send). Requests whose n choices share one task are not sent again.
+it), up to `max_redispatches` times (RouterConfig, default 2; 0: never) within the request's deadline. The
+dispatch decides afresh over the engines its table still lists (a silent engine is out of it; a dead peer
+not yet heard is met at its send and left out, as any failed send). Requests whose n choices share one
+task are not sent again.
 
 After tokens went out, the request migrates where the dispatch's engines can resume it (`Dispatch.resumes`:
 colocated engines, without move-the-query routing): the new attempt carries the tokens the client got
@@ -33,8 +34,6 @@ from shared.protocol import RequestPlan
 
 log = logging.getLogger(__name__)
 
-MAX_REDISPATCHES = 2  # lost attempts a request survives before its first token
-
 
 @dataclass(slots=True)
 class Redispatch:
@@ -44,6 +43,7 @@ class Redispatch:
     plan: RequestPlan
     locality: Mapping[str, int]
     task_id: str
+    limit: int  # how many lost attempts the request survives (`RouterConfig.max_redispatches`)
     count: int = 0
     output: list[int] = field(default_factory=list)  # the tokens the client got so far (a migration's resume)
 
@@ -53,13 +53,13 @@ class Redispatch:
         return len(token_ids)
 
     @classmethod
-    def of(cls, plan: RequestPlan, locality: Mapping[str, int]) -> Redispatch:
+    def of(cls, plan: RequestPlan, locality: Mapping[str, int], limit: int) -> Redispatch:
         """Kept before the first dispatch, which may rewrite the plan's KV part."""
-        return cls(fresh_plan(plan), locality, plan.request_id)
+        return cls(fresh_plan(plan), locality, plan.request_id, limit)
 
     def may(self, deadline: float, *, resumes: bool) -> bool:
         """Another attempt is allowed: retries left, time left, and no token out unless the engines resume."""
-        return self.count < MAX_REDISPATCHES and time.monotonic() < deadline and (resumes or not self.output)
+        return self.count < self.limit and time.monotonic() < deadline and (resumes or not self.output)
 
     async def send(
         self, dispatch: Dispatch, streams: StreamTable, stream: RequestStream, deadline: float, cause: str
