@@ -102,8 +102,9 @@ class KvEventPublisher:
     async def _publish(self, kind: type[KvEvent], **fields: Any) -> int:
         """Publish the next event of this source; return its stream sequence.
 
-        A replicated stream answers "no response from stream" while its replicas elect a leader (a
-        clustered nats-server lost: ~6 s measured under load, every event of those seconds lost before).
+        A replicated stream answers "no response from stream", or nothing within the timeout, while its
+        replicas elect a leader (a clustered nats-server lost: ~6 s measured under load, every event of
+        those seconds lost before).
         The event is sent again until it is stored or `ELECTION_WAIT_S` passed: its `Nats-Msg-Id` makes the
         server drop a copy it stored already, and later events of this source wait (the lock), in order."""
         async with self._lock:
@@ -123,7 +124,9 @@ class KvEventPublisher:
             try:
                 ack = await self.bus.js.publish(self.subject, data, timeout=self.timeout_s, headers=headers)
                 return int(ack.seq)
-            except nats.js.errors.NoStreamResponseError:
+            except (nats.js.errors.NoStreamResponseError, nats.errors.TimeoutError):
+                # no answer at all is the election too (the request reached no leader): sent again, the
+                # message id makes a copy the stream stored already a no-op
                 if time.monotonic() + delay > deadline:
                     raise
             await asyncio.sleep(delay)
