@@ -48,9 +48,8 @@ def new_sequence(
     options.check(vocab_size)
     if plan.sampling.grammar:
         seq.grammar = grammars.compile(plan.sampling.grammar)
-    if (
-        plan.resume_token_ids
-    ):  # migrated: its output so far (KV recomputed, grammar caught up on the first step)
+    # migrated: its output so far (KV recomputed, grammar caught up on the first step)
+    if plan.resume_token_ids:
         seq.output_token_ids = list(plan.resume_token_ids)
         if seq.rng is not None and not options.is_greedy:
             for _ in plan.resume_token_ids:  # the draws its tokens so far took: a seeded request samples on

@@ -65,6 +65,11 @@ class ApiContext:
 API_CONTEXT = web.AppKey("api_context", ApiContext)
 
 
+def shutting_down() -> ServiceUnavailableError:
+    """What a stopping router answers new requests, and ends the streams its drain outlasted with."""
+    return ServiceUnavailableError("the router is shutting down; retry")
+
+
 def error_response(exc: KvpathError, retry_after_s: int = 1) -> web.Response:
     headers = {"Retry-After": str(retry_after_s)} if exc.http_status in (429, 503) else None
     return web.json_response(
@@ -165,9 +170,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, parse: Callable[[Any, str], GenerationRequest]) -> web.StreamResponse:
     ctx = request.app[API_CONTEXT]
     if ctx.core.draining:  # stopping: another router replica takes it
-        refused = error_response(
-            ServiceUnavailableError("the router is shutting down; retry"), ctx.retry_after_s
-        )
+        refused = error_response(shutting_down(), ctx.retry_after_s)
         refused.force_close()
         return refused
     try:

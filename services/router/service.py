@@ -12,7 +12,13 @@ from aiohttp import web
 
 from gpu.grammar import GrammarCompiler
 from services.router import handlers
-from services.router.api import ApiContext, add_api_routes, body_limit_middleware, body_read_middleware
+from services.router.api import (
+    ApiContext,
+    add_api_routes,
+    body_limit_middleware,
+    body_read_middleware,
+    shutting_down,
+)
 from services.router.auth import ApiKeys
 from services.router.bus_probe import BusProbe
 from services.router.config import RouterConfig
@@ -20,7 +26,6 @@ from services.router.core import RouterCore
 from services.router.orphans import OrphanAborts
 from services.router.resend import StreamResends
 from shared import telemetry
-from shared.errors import ServiceUnavailableError
 from shared.protocol import ServiceInfo
 from shared.service import Service
 
@@ -120,7 +125,7 @@ class RouterService(Service):
             await asyncio.wait_for(self.core.is_idle.wait(), max(0.0, end_at - time.monotonic()))
         if self.core.is_idle.is_set():
             return
-        ended = self.core.streams.end_all(ServiceUnavailableError("the router is shutting down; retry"))
+        ended = self.core.streams.end_all(shutting_down())
         log.warning("drain deadline: %d streams still open end with an error", ended)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.core.is_idle.wait(), max(0.0, deadline - time.monotonic()))
