@@ -20,9 +20,9 @@ from services.router.auto_dispatch import AutoDispatch
 from services.router.auto_pd import has_pd_engines
 from services.router.choices import ChoiceGate, ChoiceGroup
 from services.router.config import RouterConfig
-from services.router.disaggregated import DisaggregatedDispatch
 from services.router.dispatch import ColocatedDispatch, publish_abort
 from services.router.dispatch_build import build_dispatch
+from services.router.dualpath_dispatch import DisaggregatedDispatch
 from services.router.engines import EngineTable
 from services.router.kv_plan import KvPlanner
 from services.router.prompts import PreparedPrompt, sampling_params

@@ -1,4 +1,5 @@
-"""Disaggregated dispatch (DualPath): a queue of requests waiting for a (PE, DE, read side), then the tasks.
+"""Disaggregated placement (DualPath): the queue of requests waiting for a (PE, DE, read side); the tasks
+that follow a placement are `dualpath_dispatch.py`'s.
 
 Every arrival and every load report triggers a placement round: the engines' and nodes' loads are the latest
 load reports plus what the router sent since (`EngineTable.load_table`, updated in place for the services
@@ -20,9 +21,8 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from services.policy.round import RoundState, place_table_round
 from services.policy.short_first import (
@@ -34,18 +34,11 @@ from services.policy.short_first import (
     postponements,
     short_first_order,
 )
-from services.policy.snapshot import ROLE_DECODE, PendingRequest, Placement
+from services.policy.snapshot import PendingRequest, Placement
 from services.policy.thresholds import Thresholds, thresholds_from_rates
-from services.router import metrics
-from services.router.dispatch import TIMER_SLACK_S, Dispatch
 from services.router.engines import EngineTable
-from services.router.pd_tasks import ask
-from services.router.streams import StreamTable
-from shared import telemetry
-from shared.bus import Bus
-from shared.errors import DeadlineExceededError, NoEngineAvailableError, OverloadedError, error_from_code
-from shared.protocol import COMPUTE_RATE, Message, RequestPlan
-from shared.protocol.tasks import BufferRef, DecodeTask, PrefillTask
+from shared.errors import DeadlineExceededError, NoEngineAvailableError
+from shared.protocol import COMPUTE_RATE, Message
 
 R = TypeVar("R", bound=Message)
 
@@ -267,113 +260,3 @@ class PlacementQueue:
             beta_s=self.params.beta_s,
             z_factor=self.params.z_factor,
         )
-
-
-class DisaggregatedDispatch(Dispatch):
-    """Places a request (PE, DE, read side) and hands it to both engines: DE first (its buffer), then PE."""
-
-    def __init__(
-        self, engines: EngineTable, bus: Bus, router_id: str, ack_timeout_s: float, params: SchedulerParams
-    ) -> None:
-        super().__init__(engines, bus, router_id, ack_timeout_s)
-        self.queue = PlacementQueue(engines, params)
-
-    def on_load_report(self, engine_id: str) -> None:
-        self.queue.kick()
-
-    async def run(self) -> None:
-        await self.queue.run()
-
-    async def dispatch(
-        self, plan: RequestPlan, deadline: float, streams: StreamTable, locality: Mapping[str, int]
-    ) -> dict[str, float]:
-        """Return the router-side timings (schedule_s, allocate_s); raise if no engine pair takes it. A
-        decode engine that refuses for want of room (its DE buffer or queue full: nothing was reserved
-        there) counts as full until its next report, and the request is placed again, until its deadline."""
-        started, kv = time.monotonic(), plan.kv
-        while True:
-            placement = await self._place(plan, deadline)
-            placed = time.monotonic()
-            metrics.TTFT_STAGE.labels("schedule").observe(placed - started)
-            read_side = placement.read_side.value if placement.read_side is not None else ""
-            hits = kv.num_hit_blocks if read_side else 0
-            plan.kv = kv.with_hits(hits, read_side)
-            log.debug(
-                "placed request_id=%s pe=%s de=%s read_side=%s",
-                plan.request_id, placement.pe_id, placement.de_id, read_side or "none",
-            )  # fmt: skip
-            try:
-                de_ack = await ask(
-                    self, placement.de_id, DecodeTask(plan=plan, pe_id=placement.pe_id), deadline
-                )
-            except BaseException:
-                self.queue.taken(placement.pe_id, plan.request_id, accepted=False)
-                raise
-            if de_ack.accepted and de_ack.buffer is not None:
-                break
-            self.queue.taken(placement.pe_id, plan.request_id, accepted=False)
-            refusal = error_from_code(de_ack.code or "overloaded", de_ack.message or "decode engine refused")
-            if not isinstance(refusal, OverloadedError) or time.monotonic() >= deadline - TIMER_SLACK_S:
-                raise refusal
-            self.engines.note_refused(placement.de_id, placement.pe_id, plan.num_prompt_tokens)
-            metrics.DECODE_REFUSED.inc()
-            log.debug("decode engine %s full (%s): request_id=%s placed again", placement.de_id,
-                      refusal.message, plan.request_id)  # fmt: skip
-        streams.assign(plan.request_id, placement.de_id)
-        streams.assign(plan.request_id, placement.pe_id)
-        return await self._prefill(plan, placement, de_ack.buffer, deadline, (started, placed))
-
-    async def _prefill(
-        self,
-        plan: RequestPlan,
-        placement: Placement,
-        buffer: BufferRef,
-        deadline: float,
-        times: tuple[float, float],
-    ) -> dict[str, float]:
-        """Hand the prefill to the PE, which writes the prompt's KV into the decode engine's `buffer`
-        (`times`: when the dispatch started, and when its placement was made)."""
-        started, placed = times
-        timings = {"schedule_s": placed - started, "allocate_s": time.monotonic() - placed}
-        is_layerwise = self.queue.params.policy != "basic"
-        task = PrefillTask(plan=plan, de_buffer=buffer, is_layerwise=is_layerwise, timings=timings)
-        try:
-            pe_ack = await ask(self, placement.pe_id, task, deadline)
-        except BaseException:
-            self.queue.taken(placement.pe_id, plan.request_id, accepted=False)
-            raise
-        self.queue.taken(placement.pe_id, plan.request_id, accepted=pe_ack.accepted)
-        if not pe_ack.accepted:
-            raise error_from_code(pe_ack.code or "overloaded", pe_ack.message or "prefill engine refused")
-        timings["allocate_s"] = time.monotonic() - placed
-        metrics.TTFT_STAGE.labels("allocate").observe(timings["allocate_s"])
-        return timings
-
-    async def _place(self, plan: RequestPlan, deadline: float) -> Placement:
-        """Wait for a placement; the wait is the `schedule` span (the task requests carry the HTTP span)."""
-        kv_format = self.engines.kv_format
-        block_size = kv_format.block_size if kv_format is not None else 1
-        need = plan.num_prompt_tokens + plan.sampling.max_tokens
-        if largest := self.engines.largest_kv_blocks(ROLE_DECODE, time.monotonic()) * block_size:
-            need = max(plan.num_prompt_tokens, min(need, largest))  # else no placement ever finds room
-        request = PendingRequest(
-            request_id=plan.request_id,
-            prompt_tokens=plan.num_prompt_tokens,
-            hit_tokens=plan.kv.num_hit_blocks * block_size,
-            hbm_need_tokens=need,
-        )
-        with telemetry.span("schedule") as span:
-            placement = await self.queue.place(request, deadline)
-            if span is not None:
-                span.set_attributes(_placement_attributes(self.queue.params.policy, placement))
-        return placement
-
-
-def _placement_attributes(policy: str, placement: Placement) -> dict[str, Any]:
-    return {
-        "policy": policy,
-        "pe_id": placement.pe_id,
-        "de_id": placement.de_id,
-        "read_side": placement.read_side.value if placement.read_side is not None else "",
-        "read_node": placement.read_node if placement.read_node is not None else -1,
-    }

@@ -6,8 +6,9 @@ from services.policy.ampd import SESSION_POLICIES
 from services.policy.colocated import COLOCATED_POLICIES
 from services.router.auto_dispatch import AUTO, build_auto_dispatch
 from services.router.config import RouterConfig
-from services.router.disaggregated import DisaggregatedDispatch, SchedulerParams
+from services.router.disaggregated import SchedulerParams
 from services.router.dispatch import ColocatedDispatch, Dispatch
+from services.router.dualpath_dispatch import DisaggregatedDispatch
 from services.router.engines import EngineTable
 from services.router.session_dispatch import SessionDispatch, session_params
 from shared.bus import Bus

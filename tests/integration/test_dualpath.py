@@ -276,3 +276,33 @@ async def test_n_choices_prefill_once_on_the_pe_and_fork_on_the_de(
         started.update(c["index"] for c in event["choices"])
     resp.close()  # the client goes away mid-stream
     await wait_until(lambda: engine_idle(http, de_url), timeout_s=10)
+
+
+async def test_requests_placed_on_engines_that_died_are_placed_again_on_the_live_ones(
+    stack: tuple[Stack, Bus], tmp_path: Path
+) -> None:
+    """Two prefill and two decode engines, one of each SIGKILLed; the router has not heard their silence
+    yet (its timeout is a minute), so placements still pick them. A request placed on a dead decode engine,
+    or on a dead prefill engine after its decode engine took the turn (the turn is aborted), is placed again
+    without it: every request is served with the same tokens, and the dead engines are left out until they
+    report again. Before, each such request was a 503 until the silence timeout."""
+    s, bus = stack
+    s.start("index", "index-0")
+    s.start("storage", "storage-0", "--node", "0", "--root", str(tmp_path / "store"))
+    engines = {
+        e: s.start("engine", e, "--role", role, "--node", "0", "--no-persist-kv", "--no-load-kv")
+        for e, role in (("pe-0", "prefill"), ("pe-1", "prefill"), ("de-0", "decode"), ("de-1", "decode"))
+    }
+    args = ("--http-port", "0", "--policy", "dualpath", "--engine-silence-timeout-s", "60")
+    router = s.start("router", "router-0", *args, "--no-use-kv-cache")
+    ready = await wait_ready(bus, {"index-0", "storage-0", "router-0", *engines}, s.procs, num_engines=4)
+    url = ready["router-0"].http_url
+    prompt = [3 + i % 250 for i in range(100)]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        first = await complete(http, url, prompt, 4, "d")
+        engines["pe-0"].kill()
+        engines["de-0"].kill()
+        outs = await asyncio.gather(*(complete(http, url, prompt, 4, f"d{i}") for i in range(6)))
+        suspected = await metric(http, url, "kvpath_router_engines_suspected_total")
+    assert all(o["choices"][0]["token_ids"] == first["choices"][0]["token_ids"] for o in outs)
+    assert suspected == 2 and router.log().count("placed again") >= 2
