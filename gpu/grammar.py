@@ -87,6 +87,12 @@ class GrammarState:
             self.matcher.consume_tokens(output_token_ids[self.num_consumed :])
             self.num_consumed = len(output_token_ids)
 
+    def advance(self, token_ids: list[int]) -> None:
+        """Consume tokens generated before the request's output began (a migrated request's output so far,
+        which its prompt ends with)."""
+        if token_ids:
+            self.matcher.consume_tokens(token_ids)
+
     def fill_mask(self, words: Any) -> None:
         """Write the allowed-token bitmask (int32 words, one bit per token) into `words` (a contiguous
         CPU tensor row with `data_ptr`/`numel`)."""

@@ -43,7 +43,6 @@ def check_prompt(
 ) -> None:
     prompt, max_tokens = plan.prompt_token_ids, plan.sampling.max_tokens
     n = len(prompt)
-    resume = plan.resume_token_ids
     if plan.deadline_unix_s < time.time():
         raise DeadlineExceededError(f"request {plan.request_id} arrived past its deadline")
     if n == 0 or n + max_tokens > max_model_len:
@@ -53,9 +52,7 @@ def check_prompt(
         )
     if max(prompt) >= vocab_size or min(prompt) < 0:
         raise InvalidRequestError("prompt token id outside the vocabulary", param="prompt")
-    if resume and (max(resume) >= vocab_size or min(resume) < 0):
-        raise InvalidRequestError("resumed token id outside the vocabulary", param="resume_token_ids")
-    if blocks_for(n + len(resume) + 1, block_size) > num_kv_blocks:
+    if blocks_for(n + 1, block_size) > num_kv_blocks:
         raise ContextLengthExceededError(
             f"prompt of {n} tokens does not fit this engine's KV cache", param="prompt"
         )

@@ -20,6 +20,10 @@ def sampling_options(seq: Sequence) -> SamplingOptions:
     s = seq.sampling
     if seq.grammar is not None:
         seq.grammar.catch_up(seq.output_token_ids)  # a DE's first token was sampled by its PE
+    prompt, output = seq.prompt_token_ids, seq.output_token_ids
+    resumed = seq.plan.num_resumed_tokens
+    if resumed and (s.repetition_penalty != 1.0 or s.presence_penalty or s.frequency_penalty):
+        prompt, output = prompt[:-resumed], prompt[-resumed:] + output  # a migrated request's own output
     return SamplingOptions(
         temperature=s.temperature,
         top_p=s.top_p,
@@ -31,8 +35,8 @@ def sampling_options(seq: Sequence) -> SamplingOptions:
         logit_bias=_logit_bias(s.logit_bias_ids, s.logit_bias_values),
         num_logprobs=s.logprobs,
         generator=seq.rng,
-        prompt_token_ids=seq.prompt_token_ids,
-        output_token_ids=seq.output_token_ids,
+        prompt_token_ids=prompt,
+        output_token_ids=output,
         grammar=seq.grammar,
         logprobs_out=seq.sampled_logprobs if s.logprobs >= 0 else None,
     )
@@ -48,12 +52,15 @@ def new_sequence(
     options.check(vocab_size)
     if plan.sampling.grammar:
         seq.grammar = grammars.compile(plan.sampling.grammar)
-    # migrated: its output so far (KV recomputed, grammar caught up on the first step)
-    if plan.resume_token_ids:
-        seq.output_token_ids = list(plan.resume_token_ids)
+    # migrated: the prompt ends with its output so far, which the grammar and a seeded generator catch up
+    # on, so it samples on as it would have where it began
+    resumed = plan.num_resumed_tokens
+    if resumed:
+        if seq.grammar is not None:
+            seq.grammar.advance(plan.prompt_token_ids[-resumed:])
         if seq.rng is not None and not options.is_greedy:
-            for _ in plan.resume_token_ids:  # the draws its tokens so far took: a seeded request samples on
-                seq.rng.random()  # as it would have where it began
+            for _ in range(resumed):  # the draws its tokens so far took
+                seq.rng.random()
     return seq
 
 

@@ -231,11 +231,6 @@ class AutoDispatch(ColocatedDispatch):
 
     # ----------------------------------------------------------------------------------------- explain
 
-    def resumes(self) -> bool:
-        """Colocated engines resume; on P/D, session decode engines do (a migrated request is decided among
-        the local plans only: a hand-off does not carry its tokens), DualPath's decode-only ones do not."""
-        return super().resumes() and (self.local_on_decode or not has_pd_engines(self.engines))
-
     async def dispatch(
         self, plan: RequestPlan, deadline: float, streams: StreamTable, locality: Mapping[str, int]
     ) -> dict[str, float]:

@@ -110,7 +110,7 @@ async def dispatch_pd(
     stored = stored_blocks(plan, locality, block_size)
     pooled = pooled_blocks(plan, locality, block_size)
     tried: set[str] = set()
-    roles: tuple[str, ...] = (ROLE_DECODE,) if plan.resume_token_ids else PD_ROLES  # resumed: local plans
+    roles: tuple[str, ...] = PD_ROLES
     error: KvpathError | None = None
     for attempt in range(MAX_DISPATCH_ATTEMPTS):
         task = replace(plan, request_id=attempt_request_id(plan.request_id, attempt))

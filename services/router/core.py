@@ -270,9 +270,10 @@ class RouterCore:
     ) -> bool:
         """Send the request again after its attempt was lost (`cause`), from its tokens so far (redispatch);
         False when it may not, or when its n choices share one task."""
-        if again is None or not again.may(deadline, resumes=self.dispatch.resumes()):
+        if again is None or not again.may(deadline):
             return False
-        return await again.send(self.dispatch, self.streams, stream, deadline, cause)
+        kv = (self.kv_planner, self.engines.kv_format)
+        return await again.send(self.dispatch, self.streams, stream, deadline, cause, kv)
 
     async def _plan(
         self, prompt: PreparedPrompt, request_id: str, deadline: float, choice: int, num_choices: int = 1
@@ -333,7 +334,7 @@ class RouterCore:
                     metrics.ITL.observe((now - last_token_at) / num_tokens)
                 last_token_at = now
             first = deltas[0]
-            if first.seq == 0:
+            if first.seq == 0 and not (again and again.resumed):  # usage counts the prompt the client sent
                 usage.prompt_tokens, usage.cached_tokens = first.prompt_tokens, first.cached_tokens
                 usage.timings.update(first.timings)
                 _observe_stages(first.timings)

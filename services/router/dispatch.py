@@ -87,11 +87,6 @@ class Dispatch(abc.ABC):
         timings (seconds by stage). `locality`: leading prompt blocks each KV location holds (the index's
         per-location answer; empty without an index). Raise a `KvpathError` when no engine takes it."""
 
-    def resumes(self) -> bool:
-        """Whether its engines can take a request migrated mid-decode (`RequestPlan.resume_token_ids`):
-        colocated engines (a generate task) can; prefill/decode hand-offs do not carry it."""
-        return False
-
     def on_load_report(self, engine_id: str) -> None:  # noqa: B027 (a hook: most dispatches need nothing)
         """Loads changed (`engine_id` reported): queued requests may fit now."""
 
@@ -152,9 +147,6 @@ class ColocatedDispatch(Dispatch):
         self.policy = policy
         self._span_attributes = {"policy": policy}
         self.held_routing: Any = None  # services/router/route_choice.HeldRouting with move_query on
-
-    def resumes(self) -> bool:
-        return self.held_routing is None  # a routed request's held prefix is not re-imported mid-decode
 
     async def dispatch(
         self, plan: RequestPlan, deadline: float, streams: StreamTable, locality: Mapping[str, int]

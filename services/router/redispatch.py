@@ -11,12 +11,14 @@ dispatch decides afresh over the engines its table still lists (a silent engine 
 not yet heard is met at its send and left out, as any failed send). Requests whose n choices share one
 task are not sent again.
 
-After tokens went out, the request migrates where the dispatch's engines can resume it (`Dispatch.resumes`:
-colocated engines, without move-the-query routing): the new attempt carries the tokens the client got
-(`RequestPlan.resume_token_ids`); its engine recomputes their KV after the prompt's (the stored prefix still
-loads), catches a grammar and a seeded generator up on them, and samples on, so the stream continues where
-it broke, with the tokens the lost engine would have given (greedy, or seeded). As Dynamo's request
-migration does. Prefill/decode hand-offs do not carry it: there the stream still ends with the error.
+After tokens went out, the request migrates: the new attempt's prompt is the old one followed by the tokens
+the client got (`RequestPlan.num_resumed_tokens` of them), max_tokens and min_tokens less those. For its KV
+they are prompt, so every dispatch takes it as a new request (colocated, AMPD session, DualPath prefill and
+decode, auto) and the blocks of them that the lost engine stored are loaded instead of recomputed; for
+sampling they are output, so its engine catches a grammar, a seeded generator and the penalties up on them
+and samples on: the stream continues where it broke, with the tokens the lost engine would have given
+(greedy, or seeded). As Dynamo's request migration does. A request pinning a held chunk (`kv_chunk`) is
+not migrated: its prompt is the chunk.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from dataclasses import dataclass, field, replace
 
 from services.router import metrics
 from services.router.dispatch import Dispatch, publish_abort
+from services.router.kv_plan import KvPlanner
 from services.router.streams import RequestStream, StreamTable
 from shared.errors import KvpathError
-from shared.protocol import RequestPlan
+from shared.protocol import KvFormat, KvPlan, RequestPlan
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ class Redispatch:
     limit: int  # how many lost attempts the request survives (`RouterConfig.max_redispatches`)
     count: int = 0
     output: list[int] = field(default_factory=list)  # the tokens the client got so far (a migration's resume)
+    resumed: int = 0  # how many of them the current attempt's prompt ends with
 
     def record(self, token_ids: list[int]) -> int:
         """Keep a delta's tokens (what a migration resumes from); return how many."""
@@ -57,16 +61,28 @@ class Redispatch:
         """Kept before the first dispatch, which may rewrite the plan's KV part."""
         return cls(fresh_plan(plan), locality, plan.request_id, limit)
 
-    def may(self, deadline: float, *, resumes: bool) -> bool:
-        """Another attempt is allowed: retries left, time left, and no token out unless the engines resume."""
-        return self.count < self.limit and time.monotonic() < deadline and (resumes or not self.output)
+    def may(self, deadline: float) -> bool:
+        """Another attempt is allowed: retries left, time left, and tokens left to generate (a request
+        pinning a held chunk only before its first token)."""
+        left = len(self.output) < self.plan.sampling.max_tokens and not (self.output and self.plan.pin)
+        return self.count < self.limit and time.monotonic() < deadline and left
 
     async def send(
-        self, dispatch: Dispatch, streams: StreamTable, stream: RequestStream, deadline: float, cause: str
+        self,
+        dispatch: Dispatch,
+        streams: StreamTable,
+        stream: RequestStream,
+        deadline: float,
+        cause: str,
+        kv: tuple[KvPlanner, KvFormat | None],
     ) -> bool:
         """Abort the lost attempt, restart the stream under a new id and dispatch the request again. A
         migration no engine took returns False (the client gets the loss that caused it, not the refusal);
-        a first-token retry's refusal is raised (a 503 when no engine is left)."""
+        a first-token retry's refusal is raised (a 503 when no engine is left). `kv`: what plans the
+        migrated prompt's KV, and the engines' KV format (set by their first report, never unset)."""
+        planner, kv_format = kv
+        if self.output and kv_format is None:
+            return False
         for task_id in stream.task_ids:
             await publish_abort(dispatch.bus, task_id, f"{cause}; dispatched again")
         dispatch.release(self.task_id)
@@ -81,15 +97,34 @@ class Redispatch:
             cause,
             self.task_id,
         )
-        plan = replace(fresh_plan(self.plan), request_id=self.task_id, resume_token_ids=list(self.output))
+        plan, locality = fresh_plan(self.plan), self.locality
+        plan.request_id = self.task_id
+        if self.output and kv_format is not None:  # where the prefix and the output so far lie now
+            tokens = self.plan.prompt_token_ids + self.output
+            planned = await planner.plan(tokens, kv_format, self.task_id, self.plan.kv.salt)
+            plan, locality = resumed_plan(plan, self.output, planned.kv), planned.blocks_by_location
+        self.resumed = plan.num_resumed_tokens
         try:
-            await dispatch.dispatch(plan, deadline, streams, self.locality)
+            await dispatch.dispatch(plan, deadline, streams, locality)
         except KvpathError as exc:
+            planner.decided(self.task_id)
             if not self.output:
                 raise
             log.warning("migration failed request_id=%s: %s", stream.request_id, exc.message)
             return False
         return True
+
+
+def resumed_plan(plan: RequestPlan, output: list[int], kv: KvPlan) -> RequestPlan:
+    """The plan of a request migrated after `output` (fewer than its max_tokens): its prompt followed by
+    the output, whose KV plan is `kv`, generating what is left."""
+    sampling = replace(
+        plan.sampling,
+        max_tokens=plan.sampling.max_tokens - len(output),
+        min_tokens=max(0, plan.sampling.min_tokens - len(output)),
+    )
+    tokens = plan.prompt_token_ids + output
+    return replace(plan, prompt_token_ids=tokens, sampling=sampling, kv=kv, num_resumed_tokens=len(output))
 
 
 def fresh_plan(plan: RequestPlan) -> RequestPlan:

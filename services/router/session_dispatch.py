@@ -29,7 +29,6 @@ from pathlib import Path
 from services.policy.ampd import (
     LOCAL,
     MODE_AMPD,
-    MODE_LOCAL,
     SOURCE_HBM,
     SOURCE_STORAGE,
     AmpdParams,
@@ -119,8 +118,7 @@ class SessionDispatch(Dispatch):
             if de is None:
                 break
             turn = self._turn(plan, de, locality, stored_blocks)
-            # a migrated request resumes on the decode engine itself (a hand-off does not carry its tokens)
-            decision = RouteDecision(LOCAL, "resume", 0.0) if plan.resume_token_ids else self._route(turn, de)
+            decision = self._route(turn, de)
             streams.assign(plan.request_id, de)
             try:
                 timings, decision = await self._send(plan, de, decision, stored_blocks, deadline, streams)
@@ -173,11 +171,6 @@ class SessionDispatch(Dispatch):
 
     def on_load_report(self, engine_id: str) -> None:
         self.room.reported(engine_id)
-
-    def resumes(self) -> bool:
-        """AMPD and the colocated baseline resume a migrated request locally; always-remote never prefills
-        on a decode engine, so its streams end with the loss."""
-        return self.params.mode in (MODE_AMPD, MODE_LOCAL)
 
     def _decode_engine(self, session: str, tried: set[str], locality: Mapping[str, int]) -> str | None:
         """The session's live bound engine, or a new binding among the untried ones (`bind_session`: where

@@ -84,7 +84,7 @@ class RequestPlan(Message):
     KIND = "request_plan"
     RANGES = {
         "prompt_token_ids": (0, None),  # and below the vocabulary size (the engine checks, it knows it)
-        "resume_token_ids": (0, None),
+        "num_resumed_tokens": (0, None),
         "deadline_unix_s": (0.0, None),  # and not already passed (the engine checks on admission)
         "ttft_slo_s": (0.0, None),
         "itl_slo_s": (0.0, None),
@@ -99,9 +99,10 @@ class RequestPlan(Message):
     ttft_slo_s: float = 0.0  # the request's SLOs (AMPD: prefill reordering); 0: none given
     itl_slo_s: float = 0.0
     pin: ChunkName | None = None  # move the query: keep the prompt as a held chunk under this name
-    # a request migrated off a lost engine: the tokens it had generated there, its output so far (the
-    # engine recomputes their KV after the prompt's and samples on from them: services/router/redispatch.py)
-    resume_token_ids: list[int] = field(default_factory=list)
+    # a request migrated off a lost engine: the prompt ends with the output the client got so far, this
+    # many tokens of it. For its KV they are prompt (stored blocks of them hit); for sampling they are
+    # output (grammar, seeded generator and penalties catch up on them: services/router/redispatch.py)
+    num_resumed_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -116,10 +117,8 @@ class RequestPlan(Message):
         check_token(self.router_id, "router id")  # deltas go to tokens.<router_id>: never a wildcard
         if not self.request_id or len(self.request_id) > MAX_ID_CHARS:
             raise ValueError(f"request_id must have 1 to {MAX_ID_CHARS} characters")
-        if len(self.resume_token_ids) >= self.sampling.max_tokens:
-            raise ValueError(
-                "resume_token_ids must be fewer than max_tokens (a finished request is not resumed)"
-            )
+        if self.num_resumed_tokens >= len(self.prompt_token_ids):
+            raise ValueError("num_resumed_tokens must leave at least one token of the original prompt")
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -134,10 +133,6 @@ class Task(Message):
     @property
     def request_id(self) -> str:
         return self.plan.request_id
-
-    def check(self) -> None:
-        if self.plan.resume_token_ids and self.KIND != "generate_task":
-            raise ValueError("only a colocated engine's generate task resumes a migrated request")
 
 
 @message

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -282,38 +283,66 @@ async def test_an_engine_killed_mid_decode_migrates_the_stream(
     assert "migrated after" in router.log() and f"engine {killed} lost" in router.log()
 
 
-@pytest.mark.parametrize("policy", ["ampd", "auto"])
+async def test_a_migrated_request_loads_the_stored_kv_of_its_output_so_far(
+    stack: tuple[Stack, Bus], tmp_path: Path
+) -> None:
+    """With KV stored, the engine that takes a migrated request loads the blocks of its prompt and of the
+    output the client got (their KV was stored as blocks filled) instead of computing them: before, it
+    recomputed the output's. The text is still the request's run whole."""
+    s, bus = stack
+    s.start("index", "index-0")
+    s.start("storage", "storage-0", "--root", str(tmp_path / "store"))
+    s.start("router", "router-0", *ROUTER_ARGS)
+    engines = {i: s.start("engine", i) for i in ("engine-0", "engine-1")}
+    ready = await wait_ready(bus, {"router-0", "index-0", "storage-0", *engines}, s.procs)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        fields = {"prompt": "migrate", "temperature": 0}
+        killed = await _killed_mid_stream(http, ready, engines, fields, after_events=200)
+        survivor = ready[next(i for i in engines if i != killed)].http_url
+        loaded = await metric(http, survivor, "kvpath_engine_kv_loaded_blocks_total")
+    assert loaded >= 3  # 200 events: 200 tokens or more, 3 blocks of 64 (the prompt is not one)
+
+
+@pytest.mark.parametrize("policy", ["ampd", "dualpath", "auto"])
 async def test_a_decode_engine_killed_mid_decode_migrates_the_stream(
     stack: tuple[Stack, Bus], policy: str
 ) -> None:
-    """One prefill and two session decode engines (AMPD, or auto on them): the decode engine streaming a
-    request dies; the request migrates to the other one, which resumes it itself (AMPD's route reason
-    `resume`; auto decides among its local plans only), the same greedy text as the request run whole."""
+    """One prefill and two decode engines (AMPD's session engines, DualPath's decode-only ones, auto on
+    session engines): the decode engine streaming a request dies; the request migrates through the same
+    dispatch, its prompt followed by the tokens the client got (on DualPath the prefill engine prefills them
+    and hands them to the other decode engine), the same text as the request run whole (greedy; DualPath
+    seeded, both engines' generators caught up). Before, DualPath's stream ended with an error."""
     s, bus = stack
     engine = ("--no-persist-kv", "--no-load-kv")
+    session = ("--session-kv",) if policy != "dualpath" else ()
     router = s.start("router", "router-0", *ROUTER_ARGS, "--no-use-kv-cache", "--policy", policy)
     s.start("engine", "pe-0", "--role", "prefill", *engine)
-    des = {i: s.start("engine", i, "--role", "decode", "--session-kv", *engine) for i in ("de-a", "de-b")}
+    des = {i: s.start("engine", i, "--role", "decode", *session, *engine) for i in ("de-a", "de-b")}
     ready = await wait_ready(bus, {"router-0", "pe-0", *des}, s.procs, num_engines=3)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-        await _killed_mid_stream(http, ready, des, {"prompt": "migrate a session", "temperature": 0})
-        url = ready["router-0"].http_url
-        resumed = await metric(http, url, "kvpath_router_session_routes_total", 'reason="resume"')
-    assert resumed == (policy == "ampd") and "migrated after" in router.log()
+        sampling = {"temperature": 1.0, "seed": 11} if policy == "dualpath" else {"temperature": 0}
+        await _killed_mid_stream(http, ready, des, {"prompt": "migrate a session", **sampling})
+    assert "migrated after" in router.log()
 
 
 async def _killed_mid_stream(
-    http: aiohttp.ClientSession, ready: dict, engines: dict[str, ServiceProcess], fields: dict
+    http: aiohttp.ClientSession,
+    ready: dict,
+    engines: dict[str, ServiceProcess],
+    fields: dict,
+    *,
+    after_events: int = 1,
 ) -> str:
     """A request of 1,200 tokens run whole, then streamed, the engine decoding it killed after its first
-    event: the stream ends without an error and with the whole run's text; returns the killed engine."""
+    `after_events` events: the stream ends without an error and with the whole run's text; returns the
+    killed engine."""
     url = ready["router-0"].http_url
     body = {"model": "tiny", "max_tokens": 1200, "ignore_eos": True, **fields}
     status, whole = await _complete(http, url, body)
     assert status == 200, whole
     async with http.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
         assert resp.status == 200
-        head = await resp.content.readuntil(b"\n\n")
+        head = b"".join([await resp.content.readuntil(b"\n\n") for _ in range(after_events)])
         serving = [i for i in engines if await _is_running(http, ready[i].http_url)]
         engines[serving[0]].kill()
         events = (head + await resp.read()).decode().split("\n\n")

@@ -115,11 +115,9 @@ def test_every_task_kind_shares_the_plan_and_round_trips() -> None:
         assert back.plan is not plan and back.plan == plan
     with pytest.raises(ProtocolError, match="expected generate_task"):
         decode(encode(tasks[1]), GenerateTask)  # a colocated engine refuses a decode task
-    resumed = dataclasses.replace(plan, resume_token_ids=[5])  # migrated: only a generate task carries it
-    assert decode(encode(GenerateTask(plan=resumed)), Task).plan.resume_token_ids == [5]
-    for task in tasks[1:]:
-        with pytest.raises(ProtocolError, match="only a colocated engine's generate task resumes"):
-            decode(encode(dataclasses.replace(task, plan=resumed)), Task)
+    resumed = dataclasses.replace(plan, num_resumed_tokens=1)  # migrated: every task kind carries it
+    for task in tasks:
+        assert decode(encode(dataclasses.replace(task, plan=resumed)), Task).plan.num_resumed_tokens == 1
     done = decode(encode(PrefillDone(first_token=9, num_loaded_blocks=2)), PrefillDone)
     assert (done.first_token, done.finish_reason, done.error) == (9, "", "")
 
@@ -175,8 +173,8 @@ def _task(**overrides: object) -> dict:
         ({"kv__num_hit_blocks": 3}, "num_hit_blocks 3 > 2 block hashes"),
         ({"kv__block_hashes": [-3]}, "block_hashes: expected a number in [0, 18446744073709551615], got -3"),
         ({"kv__read_side": "xx"}, "read_side 'xx'"),
-        ({"resume_token_ids": [1, 2, 3, 4]}, "resume_token_ids must be fewer than max_tokens"),
-        ({"resume_token_ids": [-1]}, "resume_token_ids: expected a number >= 0"),
+        ({"num_resumed_tokens": 4}, "num_resumed_tokens must leave at least one token of the original"),
+        ({"num_resumed_tokens": -1}, "num_resumed_tokens: expected a number >= 0"),
     ],
 )
 def test_out_of_range_tasks_are_rejected_on_receipt(overrides: dict, fragment: str) -> None:
