@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 from services.router.kv_plan import KvPlanner
+from services.router.redispatch import Redispatch
 from services.router.streams import RequestStream, StreamTable
 from shared.errors import EngineFailedError
 from shared.protocol import KvPlan
@@ -39,6 +40,15 @@ class ChoiceGroup:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     left: set[str] = field(default_factory=set)  # choices already gone: choice 0 opens no stream for them
+    first: Redispatch | None = None  # choice 0's redispatch, set at its dispatch
+
+    def again(self, choice: int) -> Redispatch | None:
+        """What sends choice `choice` again when the task is lost: each choice goes on alone, as a request
+        of one choice with its own id and seed (`RequestPlan.choice`), so a migration resumes its tokens."""
+        first = self.first
+        return (
+            None if first is None else Redispatch.of(first.plan.choice(choice), first.locality, first.limit)
+        )
 
     def resolve(self, error: BaseException | None = None) -> None:
         if self.dispatched.done():

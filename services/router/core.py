@@ -1,8 +1,8 @@
 """Router core: turn a validated request into an engine task and its token stream into text pieces.
 
 HTTP-agnostic: `api.py` renders the pieces as OpenAI JSON or SSE. Every wait has the request's deadline;
-every failure (engine refused, died, went silent, lost tokens) ends the stream with an error, unless no
-token reached the client yet and the attempt was lost with an engine: then it is sent again (`redispatch.py`).
+every failure (engine refused, died, went silent, lost tokens) ends the stream with an error, unless the
+attempt was lost with an engine: then it is sent again, with the tokens the client got (`redispatch.py`).
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ class RouterCore:
         gated: ChoiceGroup | ChoiceGate | None,
     ) -> tuple[RequestStream, Redispatch | None]:
         """The choice's token stream once its task is dispatched (choice 0 of a group dispatches for all),
-        and what dispatching it again takes (None for a group: its choices share one task)."""
+        and what dispatching it again takes (a group's choices each go on alone)."""
         group = gated if isinstance(gated, ChoiceGroup) else None
         if gated is not None and choice > 0:
             try:
@@ -236,10 +236,8 @@ class RouterCore:
             except TimeoutError:
                 raise self._deadline_error() from None
             if joined is not None:
-                return joined, None
-        others = (
-            [] if group is None else [choice_request_id(request_id, i) for i in range(1, group.num_choices)]
-        )
+                return joined, gated.again(choice) if isinstance(gated, ChoiceGroup) else None
+        others = [choice_request_id(request_id, i) for i in range(1, group.num_choices)] if group else []
         try:
             plan, locality = await self._plan(prompt, request_id, deadline, choice, len(others) + 1)
             # open before dispatch: the first tokens may arrive before the ack
@@ -248,7 +246,9 @@ class RouterCore:
             for other in others:
                 if group is not None and other not in group.left:
                     self.streams.open(other)
-            again = None if group is not None else Redispatch.of(plan, locality, self.config.max_redispatches)
+            again = Redispatch.of(plan.choice(0), locality, self.config.max_redispatches)
+            if group is not None:
+                group.first = again
             if gated is not None and choice == 0:
                 gated.dispatched_prompt(plan.kv, locality, self.kv_planner)
             usage.timings.update(await self.dispatch.dispatch(plan, deadline, self.streams, locality))
@@ -269,7 +269,7 @@ class RouterCore:
         self, stream: RequestStream, again: Redispatch | None, deadline: float, cause: str
     ) -> bool:
         """Send the request again after its attempt was lost (`cause`), from its tokens so far (redispatch);
-        False when it may not, or when its n choices share one task."""
+        False when it may not."""
         if again is None or not again.may(deadline):
             return False
         kv = (self.kv_planner, self.engines.kv_format)

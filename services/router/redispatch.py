@@ -1,5 +1,5 @@
 """Dispatching a request again when the attempt serving it was lost: before any token reached the client,
-or mid-decode (a migration, where the engines can resume one).
+or mid-decode (a migration).
 
 An engine that dies or restarts after taking a request (the router hears its silence or its new incarnation:
 `StreamTable.fail_engine`), or a decode engine whose KV data plane to its prefill engine breaks (that engine
@@ -8,8 +8,8 @@ request is not lost with it: `RouterCore` aborts the attempt under every id the 
 the request again through the same dispatch, under an id of its own (`<id>-lostN`, so the abort never meets
 it), up to `max_redispatches` times (RouterConfig, default 2; 0: never) within the request's deadline. The
 dispatch decides afresh over the engines its table still lists (a silent engine is out of it; a dead peer
-not yet heard is met at its send and left out, as any failed send). Requests whose n choices share one
-task are not sent again.
+not yet heard is met at its send and left out, as any failed send). The n choices of a request sent as
+one task each go on alone, as a request of one choice with its own id and seed (`ChoiceGroup.again`).
 
 After tokens went out, the request migrates: the new attempt's prompt is the old one followed by the tokens
 the client got (`RequestPlan.num_resumed_tokens` of them), max_tokens and min_tokens less those. For its KV

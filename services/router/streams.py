@@ -87,6 +87,7 @@ class StreamTable:
         for engine_id in list(stream.engine_ids):
             self.unassign(request_id, engine_id)
         stream.lost_engine = ""
+        stream.choice_ids = []  # choices of a lost task go on alone
         stream.next_seq = 0
         stream.is_finished = False
         stream.held.clear()

@@ -265,15 +265,17 @@ async def test_a_router_gone_for_good_has_its_requests_aborted_by_the_engine(
 
 
 @pytest.mark.parametrize(
-    "sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 11}], ids=["greedy", "seeded"]
+    "sampling",
+    [{"temperature": 0}, {"temperature": 1.0, "seed": 11}, {"temperature": 1.0, "seed": 11, "n": 2}],
+    ids=["greedy", "seeded", "two-choices"],
 )
 async def test_an_engine_killed_mid_decode_migrates_the_stream(
     stack: tuple[Stack, Bus], sampling: dict
 ) -> None:
     """The engine decoding a streamed request dies after tokens went out: the router dispatches it to the
     other engine with the tokens the client got, and the stream goes on where it broke, no error, the same
-    text as the request run whole (greedy, or seeded sampling: the generator is caught up). Before, the
-    client got an error event."""
+    text as the request run whole (greedy, or seeded sampling: the generator is caught up; n = 2 choices
+    of one task: each goes on alone, with its own seed). Before, the client got an error event."""
     s, bus = stack
     router = s.start("router", "router-0", *ROUTER_ARGS, "--no-use-kv-cache")
     engines = {i: s.start("engine", i, "--no-persist-kv", "--no-load-kv") for i in ("engine-0", "engine-1")}
@@ -349,8 +351,10 @@ async def _killed_mid_stream(
     assert events[-2:] == ["data: [DONE]", ""]
     chunks = [orjson.loads(e[len("data: ") :]) for e in events[:-2]]
     assert all("error" not in c for c in chunks), chunks[-1]
-    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    for choice in whole["choices"]:
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert mine[-1]["finish_reason"] == "length"
     return serving[0]
 
 
