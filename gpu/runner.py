@@ -44,6 +44,7 @@ from gpu.partial_attention_remote import (
 )
 from gpu.partial_attention_routed import RoutedBatch
 from gpu.sampling import Sampler, SampleRequest, SamplingOptions
+from gpu.side_work import SideWork
 from gpu.tokenizer import Tokenizer, load_tokenizer
 from shared.blocks import context_buffer_bytes
 from shared.errors import ConfigError, InvalidRequestError
@@ -122,6 +123,7 @@ class ModelRunner:
         )
         self._sampler = Sampler()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpath-model")
+        self.side = SideWork()  # holder calls a forward blocked on routed partials runs meanwhile
         # what makes this cache's KV interchangeable with another's (salts block hashes; engines announce it)
         self.fingerprint = spec.fingerprint(self.dtype, self.block_size)
         self.kv_bytes_per_token = spec.num_layers * kv.bytes_per_token_layer
@@ -305,8 +307,13 @@ class ModelRunner:
 
     async def held_partials(self, jobs: Sequence[HeldJob]) -> list[Any]:
         """A holder's answer to routed queries against its pinned chunks (one attention call per chunk
-        range and layer): per job a float32 packed partial, or the reason it was refused."""
-        return await self._call(held_partials, self.model, self.kv.tensor, jobs)
+        range and layer): per job a float32 packed partial, or the reason it was refused. Posted as side
+        work too: a forward of this thread blocked on other holders' partials runs it (`SideWork`)."""
+        job = self.side.post(
+            functools.partial(_in_inference_mode, held_partials, self.model, self.kv.tensor, jobs)
+        )
+        asyncio.get_running_loop().run_in_executor(self._executor, self.side.run, job)
+        return list(await asyncio.wrap_future(job.future))
 
     # ---------------------------------------------------------------------------------------- lifecycle
 

@@ -304,6 +304,7 @@ def build_route_connector(config: Any, service: Any, inner: KvConnector) -> Rout
         query_bytes_per_token=query_bytes_per_token(runner),
         partial_bytes_per_token=partial_bytes_per_token(runner),
         timeout_s=config.route_timeout_s,
+        side=runner.side,
     )
     holder = None
     if config.hold_bytes > 0:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from gpu.side_work import SideWork
 from services.engine import metrics
 from services.engine.node_storage import NodeStorage
 from services.engine.peers import PeerPool
@@ -87,6 +88,7 @@ class RouteContext:
     query_bytes_per_token: int
     partial_bytes_per_token: int
     timeout_s: float  # one exchange (and the session open)
+    side: SideWork = field(default_factory=SideWork)  # the runner's: a blocked forward serves holder calls
     exchanges: RouteExchanges = field(default_factory=RouteExchanges)  # queued until the runtime flushes
 
 
@@ -187,7 +189,7 @@ class RouteSession:
         self.ctx.exchanges.flush()  # a no-op when the runtime flushed after its sends
         started = time.perf_counter()
         try:
-            packed = inflight.result(timeout=3 * self.ctx.timeout_s)  # the exchange bounds itself
+            packed = self.ctx.side.wait(inflight, 3 * self.ctx.timeout_s)  # the exchange bounds itself
         except Exception as exc:  # failed, refused, cut off or late: the runtime falls back
             reason = exc.code if isinstance(exc, KvpathError) else "deadline"
             self._give_up(reason, getattr(exc, "message", "") or repr(exc))

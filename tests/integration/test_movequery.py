@@ -281,3 +281,51 @@ async def test_a_routed_request_on_a_pool_engine_keeps_the_held_chunk_out_of_the
         assert tokens(out) == want[0]
         text = await engine_metrics(http, ready["engine-1"].http_url)
         assert counter(text, "kvpath_engine_kv_pool_blocks_total", outcome="hit") == 0
+
+
+async def held_by(bus: Bus, doc: list[int], fingerprint: str, timeout_s: float = 30) -> str:
+    """The engine the index lists as holding the whole document (waits for its KV events)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    hashes = block_hashes(doc, BLOCK, fingerprint)
+    while True:
+        per_location = (await IndexClient(bus).match(hashes)).per_location
+        held = [loc for loc, n in per_location.items() if loc.startswith("held:") and n >= len(hashes)]
+        if held:
+            return held[0].removeprefix("held:")
+        assert asyncio.get_running_loop().time() < deadline, "no engine's held chunk reached the index"
+        await asyncio.sleep(0.05)
+
+
+async def test_two_holders_routing_to_each_other_at_once_do_not_wait_on_each_other(
+    stack: tuple[Stack, Bus],
+) -> None:
+    """Two engines each hold a document and each decodes sub-agents of the other's document at the same
+    time. A routed forward blocks its model thread until the holder's partials come back, and the holder's
+    attention runs on its own model thread: each forward would wait for the other until the exchange's
+    deadline (2 s here), then fall back, every step. The blocked forward now runs the partial attention
+    queued for it meanwhile: no request falls back, the tokens are those of the sub-agents run one by one."""
+    s, bus = stack
+    rng = random.Random(7)
+    docs = [[rng.randrange(3, 250) for _ in range(DOC_TOKENS)] for _ in range(2)]
+    agents = [doc + [rng.randrange(3, 250) for _ in range(30 + 20 * i)] for doc in docs for i in range(2)]
+    s.start("index", "index-0")
+    engines = ("engine-0", "engine-1")
+    for engine_id in engines:
+        s.start("engine", engine_id, *engine_args("shm", holds=True))
+    s.start("router", "router-0", "--http-port", "0", "--move-query", "route")
+    ready = await wait_ready(bus, {"index-0", "router-0", *engines}, s.procs, num_engines=2)
+    url = ready["router-0"].http_url
+    fingerprint = ready["engine-0"].kv_format.fingerprint
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        await asyncio.gather(*(complete(http, url, doc, 4, f"doc{i}") for i, doc in enumerate(docs)))
+        holders = [await held_by(bus, doc, fingerprint) for doc in docs]
+        assert sorted(holders) == sorted(engines)  # a burst is spread: one document on each engine
+        want = [tokens(await complete(http, url, p, 24, f"one{i}")) for i, p in enumerate(agents)]
+        outs = await asyncio.gather(*(complete(http, url, p, 24, f"all{i}") for i, p in enumerate(agents)))
+        assert [tokens(o) for o in outs] == want
+        routed = 0.0
+        for engine_id in engines:
+            text = await engine_metrics(http, ready[engine_id].http_url)
+            assert "kvpath_engine_route_fallbacks_total{" not in text  # none waited out its deadline
+            routed += counter(text, "kvpath_engine_route_requests_total", primitive="route")
+    assert routed == 2 * len(agents)  # run one by one, then all at once: every one routed
