@@ -119,6 +119,8 @@ class RequestPlan(Message):
             raise ValueError(f"request_id must have 1 to {MAX_ID_CHARS} characters")
         if self.num_resumed_tokens >= len(self.prompt_token_ids):
             raise ValueError("num_resumed_tokens must leave at least one token of the original prompt")
+        if self.num_resumed_tokens and self.sampling.n > 1:
+            raise ValueError("a migrated request samples one choice (each choice migrates alone)")
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)

@@ -175,6 +175,7 @@ def _task(**overrides: object) -> dict:
         ({"kv__read_side": "xx"}, "read_side 'xx'"),
         ({"num_resumed_tokens": 4}, "num_resumed_tokens must leave at least one token of the original"),
         ({"num_resumed_tokens": -1}, "num_resumed_tokens: expected a number >= 0"),
+        ({"num_resumed_tokens": 1, "sampling__n": 2}, "a migrated request samples one choice"),
     ],
 )
 def test_out_of_range_tasks_are_rejected_on_receipt(overrides: dict, fragment: str) -> None:
