@@ -29,6 +29,11 @@ class RouterConfig(BaseConfig):
     request_deadline_s: float = doc(600.0, "every request fails with 504 after this long")
     task_ack_timeout_s: float = doc(5.0, "how long an engine may take to accept a task")
     engine_silence_timeout_s: float = doc(3.0, "an engine silent this long is dead: its streams fail")
+    engine_return_wait_s: float = doc(
+        15.0,
+        "a request that finds no engine waits this long after one was last heard for it to come back "
+        "(a restart), within its deadline (0: a 503 at once)",
+    )
     stream_probe_s: float = doc(
         5.0, "a stream without a new token this long: its engines are asked to resend"
     )
@@ -111,6 +116,9 @@ class RouterConfig(BaseConfig):
             "must be > 0",
         )
         check(self.max_redispatches >= 0, "max_redispatches", self.max_redispatches, "must be >= 0")
+        check(
+            self.engine_return_wait_s >= 0, "engine_return_wait_s", self.engine_return_wait_s, "must be >= 0"
+        )
         check(
             self.engine_silence_timeout_s > self.load_report_interval_s,
             "engine_silence_timeout_s",

@@ -23,6 +23,7 @@ from services.router.config import RouterConfig
 from services.router.dispatch import ColocatedDispatch, publish_abort
 from services.router.dispatch_build import build_dispatch
 from services.router.dualpath_dispatch import DisaggregatedDispatch
+from services.router.engine_return import dispatch_or_wait
 from services.router.engines import EngineTable
 from services.router.kv_plan import KvPlanner
 from services.router.prompts import PreparedPrompt, sampling_params
@@ -76,7 +77,7 @@ class RouterCore:
         self.bus = bus
         self.router_id = router_id
         self.streams = StreamTable()
-        self.engines = EngineTable(config.engine_silence_timeout_s)
+        self.engines = EngineTable(config.engine_silence_timeout_s, return_wait_s=config.engine_return_wait_s)
         self.inflight = 0
         self.draining = False  # stopping: the API refuses new requests (503)
         self.is_idle = asyncio.Event()
@@ -227,8 +228,7 @@ class RouterCore:
         choice: int,
         gated: ChoiceGroup | ChoiceGate | None,
     ) -> tuple[RequestStream, Redispatch | None]:
-        """The choice's token stream once its task is dispatched (choice 0 of a group dispatches for all),
-        and what dispatching it again takes (a group's choices each go on alone)."""
+        """The choice's token stream once dispatched (choice 0 of a group for all) and its redispatch."""
         group = gated if isinstance(gated, ChoiceGroup) else None
         if gated is not None and choice > 0:
             try:
@@ -251,7 +251,8 @@ class RouterCore:
                 group.first = again
             if gated is not None and choice == 0:
                 gated.dispatched_prompt(plan.kv, locality, self.kv_planner)
-            usage.timings.update(await self.dispatch.dispatch(plan, deadline, self.streams, locality))
+            timings = await dispatch_or_wait(self.dispatch, plan, deadline, self.streams, locality)
+            usage.timings.update(timings)
         except BaseException as exc:
             self.kv_planner.decided(request_id)
             if group is not None:

@@ -201,6 +201,8 @@ class ColocatedDispatch(Dispatch):
             except (ServiceUnavailableError, DeadlineExceededError) as exc:
                 self.engines.note_unassigned(engine_id, task.plan.num_prompt_tokens)
                 log.warning("task not acked request_id=%s engine=%s: %s", task.request_id, engine_id, exc)
+                if isinstance(exc, ServiceUnavailableError) and self.engines.suspect(engine_id):
+                    metrics.ENGINES_SUSPECTED.inc()  # no service answers for it: out until it reports
                 await publish_abort(self.bus, task.request_id, "dispatch failed")
                 refusal = exc
                 continue

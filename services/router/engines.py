@@ -64,8 +64,10 @@ class EngineTable:
     A service's state changes only through these methods (reports and notes), which record it for the
     placement rounds' `load_table`."""
 
-    def __init__(self, silence_timeout_s: float) -> None:
+    def __init__(self, silence_timeout_s: float, *, return_wait_s: float = 0.0) -> None:
         self.silence_timeout_s = silence_timeout_s
+        self.return_wait_s = return_wait_s  # how long a lost engine may take to come back (`return_window`)
+        self._return_waiters: list[asyncio.Future[None]] = []  # `engine_returned`
         self._engines: dict[str, EngineState] = {}
         self._storage_at: dict[int, dict[str, None]] = {}  # node -> its storage services, in `_engines` order
         self.kv_format: KvFormat | None = None  # adopted from the engines; None until one reports
@@ -121,6 +123,10 @@ class EngineTable:
         if current is not None and (current.report.role, current.report.node) != (report.role, report.node):
             self._forget(report.service_id)  # moved: it leaves its old node, then joins as new
         state = EngineState(report=report, received_at=now)
+        if report.role in ENGINE_ROLES and (
+            current is None or report.seq == 1 or not self._is_live(current, now)
+        ):
+            self._wake_returns()  # a new engine, a restarted one, or one back from silence or suspicion
         if current is not None and current.is_suspect:
             if report.seq != 1 and report.seq <= current.suspect_until_seq:
                 state.is_suspect, state.suspect_until_seq = True, current.suspect_until_seq
@@ -231,10 +237,42 @@ class EngineTable:
         changed, self._changed = self._changed, {}
         return [self._engines[sid] for sid in changed]
 
+    def _is_live(self, state: EngineState, now: float) -> bool:
+        return now - state.received_at <= self.silence_timeout_s and not state.is_suspect
+
+    def return_window(self, now: float) -> float:
+        """Seconds a request that finds no engine may still wait for one to come back: `return_wait_s`
+        after the last report of an engine that is out now (silent, or suspect after a send found it gone:
+        dead, or restarting); 0 when none is."""
+        out = [
+            s for s in self._engines.values() if s.report.role in ENGINE_ROLES and not self._is_live(s, now)
+        ]
+        heard = max((s.received_at for s in out), default=-math.inf)
+        return max(0.0, heard + self.return_wait_s - now)
+
+    async def engine_returned(self, timeout_s: float) -> bool:
+        """Whether an engine reports within `timeout_s` that was not live (new, restarted, back)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._return_waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, max(0.0, timeout_s))
+        except TimeoutError:
+            return False
+        finally:
+            if waiter in self._return_waiters:
+                self._return_waiters.remove(waiter)
+        return True
+
+    def _wake_returns(self) -> None:
+        waiters, self._return_waiters = self._return_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
     def live(self, now: float, *, roles: tuple[str, ...] | None = None) -> list[EngineState]:
         out = []
         for state in self._engines.values():
-            if now - state.received_at > self.silence_timeout_s or state.is_suspect:
+            if not self._is_live(state, now):
                 continue
             if roles is not None and state.report.role not in roles:
                 continue

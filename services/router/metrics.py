@@ -67,6 +67,10 @@ ENGINES_SUSPECTED = Counter(
     "kvpath_router_engines_suspected_total",
     "Engines left out of decisions until their next load report, because another engine saw them go",
 )
+ENGINE_RETURN_WAITS = Counter(
+    "kvpath_router_engine_return_waits_total",
+    "Requests that found no engine and waited for one to come back (engine_return_wait_s)",
+)
 TTFT_STAGE = Histogram(
     "kvpath_router_ttft_stage_seconds",
     "Time to first token by stage: schedule, allocate (router), read, import, queue, prefill (engine)",

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from services.router import metrics
 from services.router.dispatch import Dispatch, publish_abort
+from services.router.engine_return import dispatch_or_wait
 from services.router.kv_plan import KvPlanner
 from services.router.streams import RequestStream, StreamTable
 from shared.errors import KvpathError
@@ -105,7 +106,7 @@ class Redispatch:
             plan, locality = resumed_plan(plan, self.output, planned.kv), planned.blocks_by_location
         self.resumed = plan.num_resumed_tokens
         try:
-            await dispatch.dispatch(plan, deadline, streams, locality)
+            await dispatch_or_wait(dispatch, plan, deadline, streams, locality)
         except KvpathError as exc:
             planner.decided(self.task_id)
             if not self.output:
