@@ -101,24 +101,16 @@ class RouterConfig(BaseConfig):
         policies = (*COLOCATED_POLICIES, *POLICIES, *SESSION_POLICIES, AUTO)
         check(self.policy in policies, "policy", self.policy, f"one of {', '.join(policies)}")
         check(self.max_tokens_limit >= 1, "max_tokens_limit", self.max_tokens_limit, "must be >= 1")
-        check(self.request_deadline_s > 0, "request_deadline_s", self.request_deadline_s, "must be > 0")
-        check(
-            self.stream_write_timeout_s > 0,
+        timeouts = (
+            "request_deadline_s",
             "stream_write_timeout_s",
-            self.stream_write_timeout_s,
-            "must be > 0",
-        )
-        check(self.stream_probe_s > 0, "stream_probe_s", self.stream_probe_s, "must be > 0")
-        check(
-            self.request_read_timeout_s > 0,
+            "stream_probe_s",
             "request_read_timeout_s",
-            self.request_read_timeout_s,
-            "must be > 0",
         )
-        check(self.max_redispatches >= 0, "max_redispatches", self.max_redispatches, "must be >= 0")
-        check(
-            self.engine_return_wait_s >= 0, "engine_return_wait_s", self.engine_return_wait_s, "must be >= 0"
-        )
+        for name in timeouts:
+            check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        for name in ("max_redispatches", "engine_return_wait_s"):
+            check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         check(
             self.engine_silence_timeout_s > self.load_report_interval_s,
             "engine_silence_timeout_s",

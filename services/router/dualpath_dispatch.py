@@ -32,8 +32,8 @@ from services.router.streams import StreamTable
 from shared import telemetry
 from shared.bus import Bus
 from shared.errors import KvpathError, OverloadedError, ServiceUnavailableError, error_from_code
-from shared.protocol import KvPlan, RequestPlan
-from shared.protocol.tasks import BufferRef, DecodeTask, PrefillTask
+from shared.protocol import KvPlan, RequestPlan, TaskAck
+from shared.protocol.tasks import BufferRef, DecodeTask, PrefillTask, Task
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +108,8 @@ class DisaggregatedDispatch(Dispatch):
                 "placed request_id=%s pe=%s de=%s read_side=%s",
                 plan.request_id, placement.pe_id, placement.de_id, read_side or "none",
             )  # fmt: skip
-            try:
-                de_ack = await ask(
-                    self, placement.de_id, DecodeTask(plan=plan, pe_id=placement.pe_id), deadline
-                )
-            except ServiceUnavailableError as exc:
-                self.queue.taken(placement.pe_id, plan.request_id, accepted=False)
-                raise _Gone(placement.de_id, exc, taken=False) from exc
-            except BaseException:
-                self.queue.taken(placement.pe_id, plan.request_id, accepted=False)
-                raise
+            task = DecodeTask(plan=plan, pe_id=placement.pe_id)
+            de_ack = await self._ask(placement, placement.de_id, task, deadline, taken=False)
             if de_ack.accepted and de_ack.buffer is not None:
                 break
             self.queue.taken(placement.pe_id, plan.request_id, accepted=False)
@@ -151,20 +143,27 @@ class DisaggregatedDispatch(Dispatch):
         timings = {"schedule_s": placed - started, "allocate_s": time.monotonic() - placed}
         is_layerwise = self.queue.params.policy != "basic"
         task = PrefillTask(plan=plan, de_buffer=buffer, is_layerwise=is_layerwise, timings=timings)
-        try:
-            pe_ack = await ask(self, placement.pe_id, task, deadline)
-        except ServiceUnavailableError as exc:
-            self.queue.taken(placement.pe_id, plan.request_id, accepted=False)
-            raise _Gone(placement.pe_id, exc, taken=True) from exc
-        except BaseException:
-            self.queue.taken(placement.pe_id, plan.request_id, accepted=False)
-            raise
+        pe_ack = await self._ask(placement, placement.pe_id, task, deadline, taken=True)
         self.queue.taken(placement.pe_id, plan.request_id, accepted=pe_ack.accepted)
         if not pe_ack.accepted:
             raise error_from_code(pe_ack.code or "overloaded", pe_ack.message or "prefill engine refused")
         timings["allocate_s"] = time.monotonic() - placed
         metrics.TTFT_STAGE.labels("allocate").observe(timings["allocate_s"])
         return timings
+
+    async def _ask(
+        self, placement: Placement, engine_id: str, task: Task, deadline: float, *, taken: bool
+    ) -> TaskAck:
+        """Send one of the placement's tasks; a failed send gives the PE's place back (an engine no service
+        answers for: `_Gone`, `taken` once the DE took the turn)."""
+        try:
+            return await ask(self, engine_id, task, deadline)
+        except ServiceUnavailableError as exc:
+            self.queue.taken(placement.pe_id, task.request_id, accepted=False)
+            raise _Gone(engine_id, exc, taken=taken) from exc
+        except BaseException:
+            self.queue.taken(placement.pe_id, task.request_id, accepted=False)
+            raise
 
     async def _place(self, plan: RequestPlan, deadline: float) -> Placement:
         """Wait for a placement; the wait is the `schedule` span (the task requests carry the HTTP span)."""
