@@ -22,7 +22,7 @@ import logging
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -50,6 +50,7 @@ from services.router.dispatch import (
     MAX_DISPATCH_ATTEMPTS,
     TIMER_SLACK_S,
     Dispatch,
+    attempt_request_id,
     publish_abort,
     undispatched,
 )
@@ -64,6 +65,7 @@ from shared.blocks import max_hit_blocks
 from shared.bus import Bus
 from shared.errors import (
     DeadlineExceededError,
+    EngineFailedError,
     KvpathError,
     NoEngineAvailableError,
     OverloadedError,
@@ -101,7 +103,8 @@ class SessionDispatch(Dispatch):
         self.flights.observe(batch, now)
 
     def release(self, request_id: str) -> None:
-        self.flights.end(request_id)
+        for attempt in range(MAX_DISPATCH_ATTEMPTS):  # and the ids of its retries
+            self.flights.end(attempt_request_id(request_id, attempt))
 
     # -------------------------------------------------------------------------------------- dispatch
 
@@ -113,26 +116,47 @@ class SessionDispatch(Dispatch):
         stored_blocks = stored_count(plan, locality, self._block_size())
         tried: set[str] = set()
         error: KvpathError | None = None
+        task, retries = plan, 0
         for _ in range(MAX_DISPATCH_ATTEMPTS):
             de = self._decode_engine(session, tried, locality)
             if de is None:
                 break
-            turn = self._turn(plan, de, locality, stored_blocks)
+            turn = self._turn(task, de, locality, stored_blocks)
             decision = self._route(turn, de)
-            streams.assign(plan.request_id, de)
+            streams.assign(task.request_id, de)
             try:
-                timings, decision = await self._send(plan, de, decision, stored_blocks, deadline, streams)
+                timings, decision = await self._send(task, de, decision, stored_blocks, deadline, streams)
             except (ServiceUnavailableError, DeadlineExceededError, OverloadedError) as exc:
-                streams.unassign(plan.request_id, de)  # the decode engine did not take it: try another
-                log.warning("session engine refused request_id=%s engine=%s: %s", plan.request_id, de, exc)
-                await publish_abort(self.bus, plan.request_id, "dispatch failed")
+                streams.unassign(task.request_id, de)  # the decode engine did not take it: try another
+                log.warning("session engine refused request_id=%s engine=%s: %s", task.request_id, de, exc)
+                await publish_abort(self.bus, task.request_id, "dispatch failed")
                 self.sessions.unbind(session)
                 tried.add(de)
+                if isinstance(exc, ServiceUnavailableError) and self.engines.suspect(de):
+                    metrics.ENGINES_SUSPECTED.inc()  # no service answers for it: out until it reports
                 error = exc
                 continue
-            self._started(plan, de, turn, decision, started)
+            except EngineFailedError as exc:
+                if not isinstance(exc.__cause__, ServiceUnavailableError):
+                    raise
+                # no service answers for the remote turn's PE (its DE turn is aborted): leave the PE out until
+                # it reports again and decide again, under an id of its own (the abort never meets it)
+                self._prefill_engine_gone(task, decision.target, streams, exc)
+                retries, error = retries + 1, exc
+                task = replace(plan, request_id=attempt_request_id(plan.request_id, retries))
+                streams.retarget(plan.request_id, task.request_id)
+                continue
+            self._started(task, de, turn, decision, started)
             return timings
         raise undispatched(error, deadline, "session engine")
+
+    def _prefill_engine_gone(
+        self, task: RequestPlan, pe: str, streams: StreamTable, error: EngineFailedError
+    ) -> None:
+        streams.unassign(task.request_id, pe)
+        if self.engines.suspect(pe):
+            metrics.ENGINES_SUSPECTED.inc()
+        log.warning("prefill engine gone request_id=%s engine=%s: %s", task.request_id, pe, error.message)
 
     async def _send(
         self,

@@ -67,3 +67,35 @@ async def test_past_the_return_wait_a_request_finding_no_engine_is_a_503(stack: 
         assert time.monotonic() - started < 10  # the window, not the request's deadline
         waits = await metric(http, url, "kvpath_router_engine_return_waits_total")
     assert waits == 1
+
+
+async def test_a_session_turn_waits_for_its_only_decode_engine_to_restart(stack: tuple[Stack, Bus]) -> None:
+    """AMPD on 1P1D, the decode engine SIGKILLed, its silence not heard (a minute's timeout): the turn's
+    send finds no service answering it, so it is left out until it reports, and the turn waits for it to
+    come back instead of a 503 at once."""
+    s, bus = stack
+    router_args = (
+        *ROUTER_ARGS[:2],
+        "--no-use-kv-cache",
+        "--policy",
+        "ampd",
+        "--engine-silence-timeout-s",
+        "60",
+    )
+    s.start("router", "router-0", *router_args)
+    s.start("engine", "pe-0", "--role", "prefill", *ENGINE_ARGS)
+    de = s.start("engine", "de-0", "--role", "decode", "--session-kv", *ENGINE_ARGS)
+    ready = await wait_ready(bus, {"router-0", "pe-0", "de-0"}, s.procs, num_engines=2)
+    url = ready["router-0"].http_url
+    body = {"model": "tiny", "prompt": [5] * 300, "max_tokens": 4, "temperature": 0}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        async with http.post(f"{url}/v1/completions", json=body) as resp:
+            whole = (await resp.json())["choices"][0]["text"]
+        de.kill()
+        later = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body))
+        await wait_ready(bus, {"router-0"}, s.procs)
+        s.start("engine", "de-0", "--role", "decode", "--session-kv", *ENGINE_ARGS)
+        resp = await later
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["choices"][0]["text"] == whole
+        assert await metric(http, url, "kvpath_router_engine_return_waits_total") == 1

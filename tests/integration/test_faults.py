@@ -361,3 +361,36 @@ async def _killed_mid_stream(
 async def _is_running(http: aiohttp.ClientSession, engine_url: str) -> bool:
     async with http.get(f"{engine_url}/health") as resp:
         return bool((await resp.json())["num_running"])
+
+
+async def test_an_ampd_turn_whose_prefill_engine_is_gone_runs_on_its_decode_engine(
+    stack: tuple[Stack, Bus],
+) -> None:
+    """AMPD on 1P1D, the prefill engine SIGKILLed and its silence not heard yet (a minute's timeout): a
+    turn sent remote finds no service answering the PE after its decode engine took it; the PE is left out
+    until it reports again and the turn is decided again, under an id of its own, and runs locally, the
+    same greedy tokens. Before, every such turn was a 502 until the router heard the silence."""
+    s, bus = stack
+    engine = ("--no-persist-kv", "--no-load-kv")
+    args = ("--http-port", "0", "--no-use-kv-cache", "--policy", "ampd", "--engine-silence-timeout-s", "60")
+    router = s.start("router", "router-0", *args)
+    pe = s.start("engine", "pe-0", "--role", "prefill", *engine)
+    s.start("engine", "de-0", "--role", "decode", "--session-kv", *engine)
+    ready = await wait_ready(bus, {"router-0", "pe-0", "de-0"}, s.procs, num_engines=2)
+    url = ready["router-0"].http_url
+    body = {"model": "tiny", "prompt": [5] * 600, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        status, first = await _complete(http, url, body)
+        assert status == 200, first
+        remote = await metric(http, url, "kvpath_router_session_routes_total", 'route="remote"')
+        pe.kill()
+        for session in ("b", "c"):
+            async with http.post(
+                f"{url}/v1/completions", json=body, headers={"X-Session-Id": session}
+            ) as resp:
+                out = await resp.json()
+            assert resp.status == 200, out
+            assert out["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        suspected = await metric(http, url, "kvpath_router_engines_suspected_total")
+    assert remote == 1 and suspected == 1  # the first turn ran remote; the second found the PE gone
+    assert "prefill engine gone" in router.log()
