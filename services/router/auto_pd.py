@@ -89,6 +89,13 @@ class EngineFault(Exception):
         self.receiving = receiving  # the decode engine refused to receive a remote prefill
 
     @property
+    def is_gone(self) -> bool:
+        """No service answers for the engine (its own send, or the PE behind a hand-off, `prefill_turn`)."""
+        return isinstance(self.error, ServiceUnavailableError) or isinstance(
+            self.error.__cause__, ServiceUnavailableError
+        )
+
+    @property
     def has_no_room_to_receive(self) -> bool:
         """The decode engine had no room for a remote turn's KV (DE buffer or queue full; it reserved
         nothing): it may still prefill the turn itself."""
@@ -135,6 +142,8 @@ async def dispatch_pd(
                 fault.error.message,
             )
             await publish_abort(auto.bus, task.request_id, "dispatch failed")
+            if fault.is_gone and auto.engines.suspect(fault.engine_id):
+                metrics.ENGINES_SUSPECTED.inc()  # no service answers for it: out until it reports again
             if fault.has_no_room_to_receive:  # decide again among local plans (their predictions recorded)
                 roles = (ROLE_DECODE,)
                 metrics.DECODE_REFUSED.inc()

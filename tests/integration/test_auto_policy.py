@@ -100,10 +100,15 @@ def pd_failover(
 ) -> Iterator[dict[str, Any]]:
     """The same 1P1D, whose router hears a killed engine's silence only after 30 s: until then its plans
     still name the dead engine, and a request meets the failure in dispatch."""
-    yield from pd_stack(tmp_path_factory.mktemp("auto-pd-failover"), nats_server, silence_timeout_s=30.0)
+    no_wait = ("--engine-return-wait-s", "0")  # a request finding no engine fails at once
+    yield from pd_stack(
+        tmp_path_factory.mktemp("auto-pd-failover"), nats_server, silence_timeout_s=30.0, router_args=no_wait
+    )
 
 
-def pd_stack(tmp: Path, nats_server: NatsServer, *, silence_timeout_s: float) -> Iterator[dict[str, Any]]:
+def pd_stack(
+    tmp: Path, nats_server: NatsServer, *, silence_timeout_s: float, router_args: tuple[str, ...] = ()
+) -> Iterator[dict[str, Any]]:
     profile = tmp / "profile.json"
     profile.write_text(json.dumps(PD_PROFILE))
     stack = Stack(tmp, nats_server, "t" + uuid.uuid4().hex[:10])
@@ -114,7 +119,7 @@ def pd_stack(tmp: Path, nats_server: NatsServer, *, silence_timeout_s: float) ->
     de = stack.start("engine", "de-0", "--role", "decode", "--session-kv", "--node", "1", "--model", "tiny")
     router = ("--http-port", "0", "--policy", "auto", "--cost-profile", str(profile))
     silence = ("--engine-silence-timeout-s", str(silence_timeout_s))
-    router_proc = stack.start("router", "router-0", *router, *silence)
+    router_proc = stack.start("router", "router-0", *router, *silence, *router_args)
     ids = {"index-0", "storage-0", "storage-1", "pe-0", "de-0", "router-0"}
 
     async def ready() -> dict[str, Any]:
@@ -267,7 +272,7 @@ async def test_auto_prefills_on_the_decode_engine_when_the_only_prefill_engine_d
         prompt = [rng.randrange(3, 250) for _ in range(300)]  # remote while the PE lives
         taken, tokens, _ = await turn(http, url, reference, prompt, "pe-died")
         again, _, hit = await turn(http, url, reference, prompt + tokens + [7] * 40, "pe-died")
-        assert await router_sees_exactly(http, url, 2)
+        assert await router_sees_exactly(http, url, 1)  # the PE no service answers for is left out
     assert (taken, again, hit) == ("local/recompute", "local/hbm", 300 + 16 - 1)
     failed = pd_failover["router"].log()
     assert "plan=remote/recompute engine=pe-0" in failed, failed  # the first attempt met the dead PE
@@ -276,8 +281,9 @@ async def test_auto_prefills_on_the_decode_engine_when_the_only_prefill_engine_d
 async def test_auto_fails_fast_with_an_openai_error_when_the_only_decode_engine_died(
     pd_failover: dict[str, Any],
 ) -> None:
-    """Last on `pd_failover`: it kills the decode engine. Plans still name it; each request fails in
-    dispatch, at once, with OpenAI's error body (streamed or not), never waiting for the silence."""
+    """Last on `pd_failover`: it kills the decode engine. A request meets it gone in dispatch and fails at
+    once with OpenAI's error body (streamed or not), never waiting for the silence (`engine_return_wait_s`
+    is 0 on this router; by default it would wait that long for an engine to come back)."""
     url = pd_failover["url"]
     pd_failover["de"].kill()
     body = {"model": "tiny", "prompt": [5] * 300, "max_tokens": 4, "temperature": 0}
@@ -286,7 +292,9 @@ async def test_auto_fails_fast_with_an_openai_error_when_the_only_decode_engine_
             async with http.post(f"{url}/v1/completions", json=body | {"stream": stream}) as resp:
                 error = (await resp.json())["error"]
                 assert resp.status == 503 and error["code"] == "no_engine_available", error
-        assert await router_sees_exactly(http, url, 2)  # failed fast: before the router heard the silence
+        # failed fast, before the router heard the silence: the decode engine no service answers for is left
+        # out (as the PE before it), and this router does not wait for engines to return
+        assert await router_sees_exactly(http, url, 0)
 
 
 async def test_kvpath_up_starts_dualpath_decode_engines_for_auto(

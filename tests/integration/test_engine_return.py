@@ -9,6 +9,7 @@ import time
 
 import aiohttp
 import orjson
+import pytest
 
 from shared.bus import Bus
 from tests.cluster import Stack, wait_ready
@@ -69,19 +70,16 @@ async def test_past_the_return_wait_a_request_finding_no_engine_is_a_503(stack: 
     assert waits == 1
 
 
-async def test_a_session_turn_waits_for_its_only_decode_engine_to_restart(stack: tuple[Stack, Bus]) -> None:
-    """AMPD on 1P1D, the decode engine SIGKILLed, its silence not heard (a minute's timeout): the turn's
-    send finds no service answering it, so it is left out until it reports, and the turn waits for it to
-    come back instead of a 503 at once."""
+@pytest.mark.parametrize("policy", ["ampd", "auto"])
+async def test_a_turn_waits_for_its_only_decode_engine_to_restart(
+    stack: tuple[Stack, Bus], policy: str
+) -> None:
+    """AMPD or auto on 1P1D, the decode engine SIGKILLed, its silence not heard (a minute's timeout): the
+    turn's send finds no service answering it, so it is left out until it reports, and the turn waits for
+    it to come back instead of a 503 at once."""
     s, bus = stack
-    router_args = (
-        *ROUTER_ARGS[:2],
-        "--no-use-kv-cache",
-        "--policy",
-        "ampd",
-        "--engine-silence-timeout-s",
-        "60",
-    )
+    silence = ("--engine-silence-timeout-s", "60")
+    router_args = (*ROUTER_ARGS[:2], "--no-use-kv-cache", "--policy", policy, *silence)
     s.start("router", "router-0", *router_args)
     s.start("engine", "pe-0", "--role", "prefill", *ENGINE_ARGS)
     de = s.start("engine", "de-0", "--role", "decode", "--session-kv", *ENGINE_ARGS)
