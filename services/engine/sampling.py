@@ -20,10 +20,9 @@ def sampling_options(seq: Sequence) -> SamplingOptions:
     s = seq.sampling
     if seq.grammar is not None:
         seq.grammar.catch_up(seq.output_token_ids)  # a DE's first token was sampled by its PE
-    prompt, output = seq.prompt_token_ids, seq.output_token_ids
-    resumed = seq.plan.num_resumed_tokens
-    if resumed and (s.repetition_penalty != 1.0 or s.presence_penalty or s.frequency_penalty):
-        prompt, output = prompt[:-resumed], prompt[-resumed:] + output  # a migrated request's own output
+    output, resumed = seq.output_token_ids, seq.plan.num_resumed_tokens
+    if resumed and (s.presence_penalty or s.frequency_penalty):  # they count a migrated request's output
+        output = seq.prompt_token_ids[-resumed:] + output  # so far (the repetition penalty sees all tokens)
     return SamplingOptions(
         temperature=s.temperature,
         top_p=s.top_p,
@@ -35,7 +34,7 @@ def sampling_options(seq: Sequence) -> SamplingOptions:
         logit_bias=_logit_bias(s.logit_bias_ids, s.logit_bias_values),
         num_logprobs=s.logprobs,
         generator=seq.rng,
-        prompt_token_ids=prompt,
+        prompt_token_ids=seq.prompt_token_ids,
         output_token_ids=output,
         grammar=seq.grammar,
         logprobs_out=seq.sampled_logprobs if s.logprobs >= 0 else None,

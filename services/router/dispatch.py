@@ -13,6 +13,7 @@ import abc
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from services.policy.colocated import CACHE_AWARE, COLOCATED, pick_cache_aware, pick_least_loaded
@@ -44,6 +45,11 @@ ENGINE_LOCAL_TIERS = ("hbm", "dram")  # KV locations that belong to one engine (
 # how early an event-loop timer may fire (uvloop times on libuv's cached millisecond clock): an ack wait cut
 # to the request's deadline can end just before the clock says the deadline passed
 TIMER_SLACK_S = 0.005
+
+
+def fresh_plan(plan: RequestPlan) -> RequestPlan:
+    """A copy of the plan whose KV part a dispatch may rewrite without touching the original's."""
+    return replace(plan, kv=replace(plan.kv))
 
 
 def attempt_request_id(request_id: str, attempt: int) -> str:

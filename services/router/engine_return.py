@@ -13,10 +13,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import replace
 
 from services.router import metrics
-from services.router.dispatch import TIMER_SLACK_S, Dispatch
+from services.router.dispatch import TIMER_SLACK_S, Dispatch, fresh_plan
 from services.router.streams import StreamTable
 from shared.errors import NoEngineAvailableError
 from shared.protocol import RequestPlan
@@ -29,7 +28,7 @@ async def dispatch_or_wait(
 ) -> dict[str, float]:
     """`dispatch.dispatch(...)`; a `NoEngineAvailableError` while an engine may come back waits for one to
     report and dispatches again (each time from the plan as it was: a dispatch rewrites its KV part)."""
-    first = replace(plan, kv=replace(plan.kv))
+    first = fresh_plan(plan)
     waited = False
     while True:
         try:
@@ -49,4 +48,4 @@ async def dispatch_or_wait(
                 )
             if not await dispatch.engines.engine_returned(left):
                 raise
-        plan = replace(first, kv=replace(first.kv))
+        plan = fresh_plan(first)

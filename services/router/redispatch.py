@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from services.router import metrics
-from services.router.dispatch import Dispatch, publish_abort
+from services.router.dispatch import Dispatch, fresh_plan, publish_abort
 from services.router.engine_return import dispatch_or_wait
 from services.router.kv_plan import KvPlanner
 from services.router.streams import RequestStream, StreamTable
@@ -126,8 +126,3 @@ def resumed_plan(plan: RequestPlan, output: list[int], kv: KvPlan) -> RequestPla
     )
     tokens = plan.prompt_token_ids + output
     return replace(plan, prompt_token_ids=tokens, sampling=sampling, kv=kv, num_resumed_tokens=len(output))
-
-
-def fresh_plan(plan: RequestPlan) -> RequestPlan:
-    """A copy of the plan whose KV part a dispatch may rewrite without touching the original's."""
-    return replace(plan, kv=replace(plan.kv))
